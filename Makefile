@@ -1,0 +1,29 @@
+# Everything installs into a project venv, idempotently: `make test` and `make run` on a fresh
+# machine need nothing else. torch==2.13.0 goes first (a CPU build); the project's range keeps it.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROMPT ?= The expert-parallel cluster says
+
+.PHONY: install run test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/epcluster generate --model tiny --prompt "$(PROMPT)" --max-tokens 32
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,99 @@
+"""Per-request sampling parameters, validated once when the request is created."""
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63  # exclusive; seeds travel in signed 64-bit fields between processes
+
+
+def _is_int(value: object) -> bool:
+    # NOTE: bool is a subclass of int, but True is never a sensible token count or seed.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_float(name: str, value: object) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the next tokens of one request (field meanings follow vLLM).
+
+    temperature == 0 means greedy; top_k 0 or -1 means off; logprobs is the number of top
+    alternatives returned per token (0: only the sampled token's own logprob; None: nothing).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # NOTE: every invalid field raises ValueError, wrong types included, so that a caller
+        # (the router turning a request into an error reply) catches one exception type.
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+
+        if not _is_int(self.top_k) or not (self.top_k in (0, -1) or self.top_k >= 1):
+            raise ValueError(f"top_k must be 0 or -1 (off) or an int >= 1, got {self.top_k!r}")
+
+        self.top_p = _as_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+        self.min_p = _as_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")  # noqa: TRY004
+        self.stop = list(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r} in {self.stop!r}")
+
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(  # noqa: TRY004
+                f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}"
+            )
+        self.stop_token_ids = list(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(
+                    f"stop_token_ids must hold ints >= 0, got {t!r} in {self.stop_token_ids!r}"
+                )
+
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")  # noqa: TRY004
+
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,35 @@
+"""SiLU-and-mul MLPs: one dense MLP, and a grouped MLP over expert-sorted rows.
+
+Legend: N rows, H hidden, I intermediate, S expert slots.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] -> [..., I]: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def grouped_expert_mlp(
+    x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Run expert MLPs over rows sorted by expert slot.
+
+    x [N, H] rows grouped by slot (counts[s] rows for slot s, in slot order, sum(counts) == N);
+    w13 [S, 2I, H] (gate rows then up rows), w2 [S, H, I] -> [N, H] in x's dtype.
+    """
+    assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, (x.shape, w13.shape, w2.shape)
+    assert len(counts) == w13.shape[0] == w2.shape[0], (len(counts), w13.shape, w2.shape)
+    assert sum(counts) == x.shape[0], (sum(counts), x.shape)
+    out = torch.empty_like(x)
+    start = 0
+    for slot, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = x[start : start + n]  # [n, H]
+        out[start : start + n] = silu_and_mul(rows @ w13[slot].t()) @ w2[slot].t()
+        start += n
+    return out

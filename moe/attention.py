@@ -1,0 +1,145 @@
+"""Multi-head latent attention (MLA) over either no cache or a paged latent cache.
+
+Legend: T tokens in the flat batch, N sequences, H heads, R kv_lora_rank, P qk_rope_head_dim,
+Dn qk_nope_head_dim, Dv v_head_dim, C = R + P cached numbers per token, B blocks, S block size.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kernels.mla_attention import causal_attention, gather_latent, paged_latent_attention
+from kernels.rotary import apply_rotary
+from moe.config import ModelConfig
+from moe.layers import RMSNorm
+
+
+@dataclass(slots=True)
+class PagedKV:
+    """Where a step's new tokens go in the paged latent cache, and what each sequence sees.
+
+    The flat batch holds N sequences back to back: sequence i contributes query_lens[i] new tokens
+    and has context_lens[i] tokens once they are written (cached prefix + new).
+    """
+
+    kv_caches: list[torch.Tensor]  # per layer [B, S, C]
+    slot_mapping: torch.Tensor  # [T] int64: block * S + offset for each new token
+    block_tables: torch.Tensor  # [N, M] int64, padded with a valid block id
+    query_lens: list[int]
+    context_lens: list[int]
+    absorb: bool = True  # single-token queries use the latent (absorbed) path
+    decode_seqs: torch.Tensor = field(init=False)  # [Nd] sequences with one new token
+    decode_tokens: torch.Tensor = field(init=False)  # [Nd] their token index in the flat batch
+    decode_context_lens: torch.Tensor = field(init=False)  # [Nd]
+    prefill_seqs: list[tuple[int, int, int, int]] = field(init=False)  # (seq, start, end, ctx)
+
+    def __post_init__(self) -> None:
+        assert len(self.query_lens) == len(self.context_lens) == self.block_tables.shape[0]
+        assert sum(self.query_lens) == self.slot_mapping.shape[0]
+        decode, decode_tok, prefill, start = [], [], [], 0
+        for i, (q, ctx) in enumerate(zip(self.query_lens, self.context_lens)):
+            assert 1 <= q <= ctx, (i, q, ctx)
+            if q == 1 and self.absorb:
+                decode.append(i)
+                decode_tok.append(start)
+            else:
+                prefill.append((i, start, start + q, ctx))
+            start += q
+        self.decode_seqs = torch.tensor(decode, dtype=torch.long)
+        self.decode_tokens = torch.tensor(decode_tok, dtype=torch.long)
+        self.decode_context_lens = torch.tensor([self.context_lens[i] for i in decode])
+        self.prefill_seqs = prefill
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.config, self.layer = c, layer
+        self.num_heads = c.num_attention_heads
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_cache_width, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.scale = c.softmax_scale
+        self.w_uk: torch.Tensor | None = None  # [H, Dn, R]
+        self.w_uv: torch.Tensor | None = None  # [H, Dv, R]
+
+    def absorb_weights(self) -> None:
+        """Split kv_b_proj into W_UK and W_UV for the latent decode path (after loading)."""
+        c = self.config
+        w = self.kv_b_proj.weight.detach().view(self.num_heads, -1, c.kv_lora_rank)
+        self.w_uk = w[:, : c.qk_nope_head_dim].contiguous()
+        self.w_uv = w[:, c.qk_nope_head_dim :].contiguous()
+
+    def _project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q_nope [T, H, Dn], q_pe [T, H, P], latent [T, C] (normed kv_c, roped k_pe)."""
+        c = self.config
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], self.num_heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rotary(q_pe, cos, sin, c.rope_interleave)
+        k_pe = apply_rotary(k_pe, cos, sin, c.rope_interleave)
+        latent = torch.cat([self.kv_a_layernorm(kv_c), k_pe], dim=-1)  # [T, C]
+        return q_nope, q_pe, latent
+
+    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [L, C] -> keys [L, H, Dn + P], values [L, H, Dv] (the naive MLA path)."""
+        c = self.config
+        kv = self.kv_b_proj(latent[:, : c.kv_lora_rank]).view(latent.shape[0], self.num_heads, -1)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k_pe = latent[:, None, c.kv_lora_rank :].expand(-1, self.num_heads, -1)
+        return torch.cat([k_nope, k_pe], dim=-1), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seq_lens: list[int] | None = None,
+        kv: PagedKV | None = None,
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]. Without kv, the flat batch is whole sequences of seq_lens tokens."""
+        c = self.config
+        q_nope, q_pe, latent = self._project(x, cos, sin)
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn + P]
+        out = x.new_empty(x.shape[0], self.num_heads, c.v_head_dim)  # [T, H, Dv]
+        if kv is None:
+            assert seq_lens is not None and sum(seq_lens) == x.shape[0]
+            start = 0
+            for n in seq_lens:
+                k, v = self._expand(latent[start : start + n])
+                out[start : start + n] = causal_attention(q[start : start + n], k, v, self.scale)
+                start += n
+            return self.o_proj(out.flatten(1))
+
+        cache = kv.kv_caches[self.layer]  # [B, S, C]
+        cache.view(-1, c.kv_cache_width)[kv.slot_mapping] = latent.to(cache.dtype)
+        if kv.decode_seqs.numel():
+            tok = kv.decode_tokens
+            q_lat = torch.einsum("thd,hdr->thr", q_nope[tok], self.w_uk)  # [Nd, H, R]
+            o_lat = paged_latent_attention(
+                torch.cat([q_lat, q_pe[tok]], dim=-1), cache, kv.block_tables[kv.decode_seqs],
+                kv.decode_context_lens, self.scale, c.kv_lora_rank,
+            )  # [Nd, H, R]
+            out[tok] = torch.einsum("thr,hvr->thv", o_lat, self.w_uv).to(out.dtype)
+        for seq, start, end, ctx in kv.prefill_seqs:
+            k, v = self._expand(gather_latent(cache, kv.block_tables[seq], ctx).to(x.dtype))
+            out[start:end] = causal_attention(q[start:end], k, v, self.scale)
+        return self.o_proj(out.flatten(1))

@@ -1,0 +1,45 @@
+"""Tiny random transformers DeepSeek models saved as safetensors: the oracle for the model."""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BASE: dict[str, Any] = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+    num_experts_per_tok=4, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=48,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
+    max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=False,
+)
+
+
+def make_hf_model(kind: str, path: Path, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """Build a random DeepseekV{2,3}ForCausalLM, randomise the V3 gate bias (zeros by default),
+    save it to `path` and return it (fp32, eval)."""
+    import transformers
+
+    cfg = dict(BASE, **overrides)
+    torch.manual_seed(seed)
+    if kind == "v3":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None:
+                    gate.e_score_correction_bias.normal_(0, 0.2)
+    else:
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**cfg))
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate on one prompt; returns only the new tokens."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None,
+        )
+    return out[0, len(prompt):].tolist()
