@@ -48,7 +48,9 @@ def paged_latent_attention(
     """
     num_seqs, _, width = q.shape
     assert kv_cache.shape[-1] == width and block_tables.shape[0] == num_seqs, (
-        q.shape, kv_cache.shape, block_tables.shape,
+        q.shape,
+        kv_cache.shape,
+        block_tables.shape,
     )
     block_size = kv_cache.shape[1]
     max_len = block_tables.shape[1] * block_size

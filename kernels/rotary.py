@@ -9,7 +9,7 @@ import torch
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] int -> cos, sin [T, D/2] fp32, each scaled by attention_scaling (YaRN mscale)."""
+    """positions [T] int -> cos, sin [T, D/2] fp32, scaled by attention_scaling (YaRN mscale)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
 

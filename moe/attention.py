@@ -85,7 +85,7 @@ class MLAttention(nn.Module):
     def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> q_nope [T, H, Dn], q_pe [T, H, P], latent [T, C] (normed kv_c, roped k_pe)."""
+        """x [T, H] -> q_nope [T, H, Dn], q_pe [T, H, P], latent [T, C] (normed kv_c, roped k_pe)"""
         c = self.config
         if c.q_lora_rank is None:
             q = self.q_proj(x)
@@ -135,8 +135,12 @@ class MLAttention(nn.Module):
             tok = kv.decode_tokens
             q_lat = torch.einsum("thd,hdr->thr", q_nope[tok], self.w_uk)  # [Nd, H, R]
             o_lat = paged_latent_attention(
-                torch.cat([q_lat, q_pe[tok]], dim=-1), cache, kv.block_tables[kv.decode_seqs],
-                kv.decode_context_lens, self.scale, c.kv_lora_rank,
+                torch.cat([q_lat, q_pe[tok]], dim=-1),
+                cache,
+                kv.block_tables[kv.decode_seqs],
+                kv.decode_context_lens,
+                self.scale,
+                c.kv_lora_rank,
             )  # [Nd, H, R]
             out[tok] = torch.einsum("thr,hvr->thv", o_lat, self.w_uv).to(out.dtype)
         for seq, start, end, ctx in kv.prefill_seqs:

@@ -35,7 +35,9 @@ class RopeScaling:
         """The cos/sin scale. Follows transformers (the oracle): the mscale ratio only when both
         are set, else the plain YaRN factor."""
         if self.mscale and self.mscale_all_dim:
-            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
         return yarn_mscale(self.factor)
 
 
@@ -82,40 +84,77 @@ class ModelConfig:
                 raise ConfigError(f"config field {name!r}: {why} (got {getattr(self, name)!r})")
 
         need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {MODEL_TYPES}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                     "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-                     "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
-                     "n_group", "topk_group", "moe_layer_freq", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_group",
+            "topk_group",
+            "moe_layer_freq",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-                 "must be a positive integer")
-        need(self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank", "must be null or >= 1")
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                name,
+                "must be a positive integer",
+            )
+        need(
+            self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank", "must be null or >= 1"
+        )
         need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
         need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
         need(self.topk_method in TOPK_METHODS, "topk_method", f"must be one of {TOPK_METHODS}")
         need(self.scoring_func in SCORING_FUNCS, "scoring_func", f"must be one of {SCORING_FUNCS}")
         need(self.n_routed_experts % self.n_group == 0, "n_group", "must divide n_routed_experts")
         need(self.topk_group <= self.n_group, "topk_group", "must be <= n_group")
-        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             "must be <= n_routed_experts")
+        need(
+            self.num_experts_per_tok <= self.n_routed_experts,
+            "num_experts_per_tok",
+            "must be <= n_routed_experts",
+        )
         if self.topk_method != "greedy":
             per_group = self.n_routed_experts // self.n_group
-            need(self.num_experts_per_tok <= self.topk_group * per_group, "num_experts_per_tok",
-                 "must be <= topk_group * experts per group")
+            need(
+                self.num_experts_per_tok <= self.topk_group * per_group,
+                "num_experts_per_tok",
+                "must be <= topk_group * experts per group",
+            )
         if self.topk_method == "noaux_tc":
-            need(self.n_routed_experts // self.n_group >= 2, "n_group",
-                 "noaux_tc ranks groups by their top-2 experts: each group needs >= 2 experts")
-        need(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
-             "must be in [0, num_hidden_layers]")
+            need(
+                self.n_routed_experts // self.n_group >= 2,
+                "n_group",
+                "noaux_tc ranks groups by their top-2 experts: each group needs >= 2 experts",
+            )
+        need(
+            0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+            "first_k_dense_replace",
+            "must be in [0, num_hidden_layers]",
+        )
         need(self.hidden_act == "silu", "hidden_act", "only silu is supported")
         need(not self.attention_bias, "attention_bias", "biased attention is not supported")
         need(not self.mlp_bias, "mlp_bias", "biased MLPs are not supported")
-        need(math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0,
-             "routed_scaling_factor", "must be a positive number")
+        need(
+            math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0,
+            "routed_scaling_factor",
+            "must be a positive number",
+        )
         need(self.rope_theta > 0, "rope_theta", "must be > 0")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
-        need(self.rope_scaling is None or self.rope_scaling.factor >= 1, "rope_scaling",
-             "YaRN factor must be >= 1")
+        need(
+            self.rope_scaling is None or self.rope_scaling.factor >= 1,
+            "rope_scaling",
+            "YaRN factor must be >= 1",
+        )
 
     @property
     def qk_head_dim(self) -> int:
@@ -146,8 +185,9 @@ class ModelConfig:
         data = dict(raw)
         model_type = data.get("model_type")
         if model_type not in MODEL_TYPES:
-            raise ConfigError(f"config field 'model_type': must be one of {MODEL_TYPES} "
-                              f"(got {model_type!r})")
+            raise ConfigError(
+                f"config field 'model_type': must be one of {MODEL_TYPES} (got {model_type!r})"
+            )
         v3 = model_type == "deepseek_v3"
         # transformers 5 drops these and hard-codes them by model type: a V3 checkpoint without
         # them is a sigmoid + bias gate, never softmax.
@@ -201,11 +241,15 @@ def _parse_rope_scaling(rope: dict[str, Any], data: dict[str, Any]) -> RopeScali
     if kind in ("default", None):
         return None
     if kind != "yarn":
-        raise ConfigError(f"config field 'rope_scaling': only YaRN is supported (got type {kind!r})")
+        raise ConfigError(
+            f"config field 'rope_scaling': only YaRN is supported (got type {kind!r})"
+        )
     factor = rope.get("factor")
     original = rope.get("original_max_position_embeddings")
     if original is None:
-        raise ConfigError("config field 'rope_scaling': YaRN needs original_max_position_embeddings")
+        raise ConfigError(
+            "config field 'rope_scaling': YaRN needs original_max_position_embeddings"
+        )
     if factor is None:
         factor = data.get("max_position_embeddings", original) / original
     return RopeScaling(

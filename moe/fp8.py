@@ -10,11 +10,14 @@ BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+def dequantize_block_fp8(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK
+) -> torch.Tensor:
     """w [O, I] float8_e4m3fn, scale_inv [BO, BI] fp32 -> [O, I] fp32."""
     rows, cols = w.shape
     assert scale_inv.shape == ((rows + block - 1) // block, (cols + block - 1) // block), (
-        w.shape, scale_inv.shape,
+        w.shape,
+        scale_inv.shape,
     )
     scale = scale_inv.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
     return w.float() * scale

@@ -54,8 +54,15 @@ class Gate(nn.Module):
         c = self.config
         logits = x.float() @ self.weight.float().t()  # [T, E]
         return grouped_topk(
-            logits, c.num_experts_per_tok, c.scoring_func, c.topk_method, c.n_group,
-            c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, self.e_score_correction_bias,
+            logits,
+            c.num_experts_per_tok,
+            c.scoring_func,
+            c.topk_method,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+            self.e_score_correction_bias,
         )
 
 
@@ -78,7 +85,9 @@ class Experts(nn.Module):
     def _log2slot(self) -> torch.Tensor:
         """[E] int64: a local slot of each logical expert, -1 where none."""
         log2slot = torch.full((self.num_experts,), -1, dtype=torch.long)
-        log2slot[torch.tensor(self.expert_ids, dtype=torch.long)] = torch.arange(len(self.expert_ids))
+        log2slot[torch.tensor(self.expert_ids, dtype=torch.long)] = torch.arange(
+            len(self.expert_ids)
+        )
         return log2slot
 
     def init_buffers(self) -> None:
@@ -112,7 +121,7 @@ RoutedFn = Callable[
 class MoE(nn.Module):
     """Gate, routed experts and shared experts. Expert parallelism swaps in `routed_fn`, which
     gets (x [T, H], topk_idx [T, K], topk_weights [T, K], experts, shared) and returns the routed
-    plus shared output [T, H]; it runs `shared` (when not None) while its all-to-all is in flight."""
+    plus shared output [T, H]; it runs `shared` (if not None) while its all-to-all is in flight."""
 
     def __init__(self, config: ModelConfig, expert_ids: Sequence[int]) -> None:
         super().__init__()

@@ -14,7 +14,9 @@ from moe.config import ModelConfig
 from moe.fp8 import dequantize_block_fp8
 from moe.model import DeepseekForCausalLM, ExpertSubset
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
+)
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -150,8 +152,10 @@ def _load_weights(model: DeepseekForCausalLM, reader: CheckpointReader) -> None:
         elif key in params:
             tensor = reader.get(key)
             if tensor.shape != params[key].shape:
-                raise LoadError(f"{key}: checkpoint shape {tuple(tensor.shape)} != model "
-                                f"{tuple(params[key].shape)}")
+                raise LoadError(
+                    f"{key}: checkpoint shape {tuple(tensor.shape)} != model "
+                    f"{tuple(params[key].shape)}"
+                )
             params[key].data.copy_(tensor)
             loaded.add(key)
         else:

@@ -2,7 +2,7 @@
 once as real HF-format checkpoints (config.json, model.safetensors, tokenizer.json) into a cache
 folder, so they load through the same loader as any checkpoint.
 
-tiny: for tests (about 1.3M parameters). small: for benchmarks (273.97M, 100.6M active per token).
+tiny: for tests (0.36M parameters). small: for benchmarks (273.97M, 100.6M active per token).
 """
 
 import hashlib
@@ -20,29 +20,71 @@ from moe.config import ModelConfig
 from moe.model import DeepseekForCausalLM
 
 _V3 = dict(
-    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
-    scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, rope_interleave=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, attention_bias=False,
-    num_nextn_predict_layers=0, torch_dtype="float32",
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    hidden_act="silu",
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    norm_topk_prob=True,
+    rope_interleave=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    attention_bias=False,
+    num_nextn_predict_layers=0,
+    torch_dtype="float32",
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        _V3, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4,
-        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        max_position_embeddings=2048, initializer_range=0.1,
+        _V3,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
     ),
     "small": dict(
-        _V3, vocab_size=32000, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
-        num_hidden_layers=8, first_k_dense_replace=1, num_attention_heads=12,
-        num_key_value_heads=12, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
-        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=4,
-        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        max_position_embeddings=4096, initializer_range=0.02,
+        _V3,
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        moe_intermediate_size=384,
+        num_hidden_layers=8,
+        first_k_dense_replace=1,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
     ),
 }
 _VERSION = "v1"  # bump when a preset's weights or config change
@@ -116,7 +158,9 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=["<|bos|>", "<|eos|>"],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)

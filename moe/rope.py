@@ -1,4 +1,4 @@
-"""RoPE frequencies, with DeepSeek's YaRN scaling (matches transformers' _compute_yarn_parameters)."""
+"""RoPE frequencies with DeepSeek's YaRN scaling (as transformers' _compute_yarn_parameters)."""
 
 import math
 
@@ -16,8 +16,11 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return 1.0 / pos_freqs, 1.0
 
     def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi))
-                / (2 * math.log(base)))
+        return (
+            dim
+            * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low = max(math.floor(correction_dim(rs.beta_fast)), 0)
     high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)

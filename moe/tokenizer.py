@@ -9,8 +9,13 @@ from tokenizers import Tokenizer as HFTokenizer
 class Tokenizer:
     """encode / decode, plus the special ids the engine needs."""
 
-    def __init__(self, hf: HFTokenizer | None, vocab_size: int, eos_token_id: int | None,
-                 bos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        hf: HFTokenizer | None,
+        vocab_size: int,
+        eos_token_id: int | None,
+        bos_token_id: int | None,
+    ) -> None:
         self._hf = hf
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -27,8 +32,12 @@ class Tokenizer:
         return self._hf.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(path: str | Path, vocab_size: int, eos_token_id: int | None = None,
-                   bos_token_id: int | None = None) -> Tokenizer:
+def load_tokenizer(
+    path: str | Path,
+    vocab_size: int,
+    eos_token_id: int | None = None,
+    bos_token_id: int | None = None,
+) -> Tokenizer:
     file = Path(path) / "tokenizer.json"
     hf = HFTokenizer.from_file(str(file)) if file.exists() else None
     return Tokenizer(hf, vocab_size, eos_token_id, bos_token_id)

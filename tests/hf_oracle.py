@@ -6,11 +6,25 @@ from typing import Any
 import torch
 
 BASE: dict[str, Any] = dict(
-    vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-    num_experts_per_tok=4, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=48,
-    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
-    max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=False,
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    first_k_dense_replace=1,
+    max_position_embeddings=512,
+    initializer_range=0.15,
+    tie_word_embeddings=False,
 )
 
 
@@ -38,8 +52,14 @@ def make_hf_model(kind: str, path: Path, seed: int = 0, **overrides: Any) -> tor
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate on one prompt; returns only the new tokens."""
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-            min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None,
+        ids = torch.tensor([prompt])
+        out = model.generate(  # an explicit mask: token 0 in a prompt is not padding
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+            eos_token_id=None,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()

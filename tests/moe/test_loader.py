@@ -13,9 +13,18 @@ from moe.loader import LoadError
 from tests.hf_oracle import make_hf_model
 
 # Wide enough that some weights span several 128 x 128 blocks, with ragged edges.
-WIDE = dict(hidden_size=192, intermediate_size=320, moe_intermediate_size=136, kv_lora_rank=160,
-            q_lora_rank=144, num_hidden_layers=2, n_routed_experts=8, n_group=2, topk_group=1,
-            num_experts_per_tok=2)
+WIDE = dict(
+    hidden_size=192,
+    intermediate_size=320,
+    moe_intermediate_size=136,
+    kv_lora_rank=160,
+    q_lora_rank=144,
+    num_hidden_layers=2,
+    n_routed_experts=8,
+    n_group=2,
+    topk_group=1,
+    num_experts_per_tok=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +54,9 @@ def test_fp8_checkpoint_matches_within_quantization_error(tmp_path):
     fp8_model = load_model(fp8_dir)
     # The loaded weights are exactly the dequantized ones...
     attn = fp8_model.model.layers[0].self_attn
-    assert torch.equal(attn.q_a_proj.weight, dequantized["model.layers.0.self_attn.q_a_proj.weight"])
+    assert torch.equal(
+        attn.q_a_proj.weight, dequantized["model.layers.0.self_attn.q_a_proj.weight"]
+    )
     experts = fp8_model.model.layers[1].mlp.experts
     assert torch.equal(experts.w2[3], dequantized["model.layers.1.mlp.experts.3.down_proj.weight"])
     # ... and their error against the original is what e4m3 allows (3 mantissa bits: <= 2^-4
@@ -81,7 +92,9 @@ def test_expert_subset_holds_only_those_experts(v3_dir):
             assert torch.equal(e.w2[slot], layer_full.experts.w2[expert])
     n_full = sum(p.numel() for p in full.parameters())
     n_part = sum(p.numel() for p in part.parameters())
-    per_expert = full.moe_layers()[0].experts.w13[0].numel() + full.moe_layers()[0].experts.w2[0].numel()
+    per_expert = (
+        full.moe_layers()[0].experts.w13[0].numel() + full.moe_layers()[0].experts.w2[0].numel()
+    )
     assert n_full - n_part == per_expert * (16 - len(subset)) * len(full.moe_layers())
 
 
@@ -90,8 +103,9 @@ def test_expert_subset_never_reads_other_experts(v3_dir, monkeypatch):
 
     read = []
     original = loader.CheckpointReader.get
-    monkeypatch.setattr(loader.CheckpointReader, "get",
-                        lambda self, key: read.append(key) or original(self, key))
+    monkeypatch.setattr(
+        loader.CheckpointReader, "get", lambda self, key: read.append(key) or original(self, key)
+    )
     load_model(v3_dir, experts={1: [0, 3], 2: [3, 3, 7]})  # per layer, with a replica
     experts_read = {k.split(".mlp.experts.")[1].split(".")[0] for k in read if ".experts." in k}
     assert experts_read == {"0", "3", "7"}
@@ -113,13 +127,20 @@ def test_sharded_checkpoint(v3_dir, tmp_path):
 
 def test_bad_configs_name_the_field(v3_dir, tmp_path):
     raw = json.loads((v3_dir / "config.json").read_text())
-    for field, value in [("n_group", 3), ("scoring_func", "relu"), ("topk_method", "best"),
-                         ("kv_lora_rank", 0), ("hidden_act", "gelu"), ("topk_group", 9)]:
+    for field, value in [
+        ("n_group", 3),
+        ("scoring_func", "relu"),
+        ("topk_method", "best"),
+        ("kv_lora_rank", 0),
+        ("hidden_act", "gelu"),
+        ("topk_group", 9),
+    ]:
         (tmp_path / "config.json").write_text(json.dumps(dict(raw, **{field: value})))
         with pytest.raises(ConfigError, match=field):
             load_model(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items()
-                                                      if k != "hidden_size"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({k: v for k, v in raw.items() if k != "hidden_size"})
+    )
     with pytest.raises(ConfigError, match="hidden_size"):
         load_model(tmp_path)
 

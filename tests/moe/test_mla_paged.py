@@ -36,19 +36,24 @@ def test_absorbed_decode_equals_naive_for_16_steps():
     tables = [[s * blocks_per_seq + b for b in range(blocks_per_seq)] for s in range(len(prompts))]
 
     def new_caches():
-        return [torch.full((len(prompts) * blocks_per_seq, BLOCK, c.kv_cache_width), float("nan"))
-                for _ in range(c.num_hidden_layers)]
+        return [
+            torch.full((len(prompts) * blocks_per_seq, BLOCK, c.kv_cache_width), float("nan"))
+            for _ in range(c.num_hidden_layers)
+        ]
 
     caches = {True: new_caches(), False: new_caches()}
     seqs = [list(p) for p in prompts]
     # Prefill in two chunks to exercise attention over an already-cached prefix.
     for absorb in (True, False):
         first = [max(1, len(p) // 2) for p in prompts]
-        run_step(model, caches[absorb], tables, [p[:f] for p, f in zip(prompts, first)], first,
-                 absorb)
+        run_step(
+            model, caches[absorb], tables, [p[:f] for p, f in zip(prompts, first)], first, absorb
+        )
     counts = [len(p) - max(1, len(p) // 2) or 1 for p in prompts]
     seqs_for_rest = [p if len(p) > 1 else p for p in prompts]
-    logits = {a: run_step(model, caches[a], tables, seqs_for_rest, counts, a) for a in (True, False)}
+    logits = {
+        a: run_step(model, caches[a], tables, seqs_for_rest, counts, a) for a in (True, False)
+    }
     for step in range(16):
         full = torch.stack([model(torch.tensor([s]))[0, -1] for s in seqs])
         for absorb in (True, False):
@@ -57,5 +62,6 @@ def test_absorbed_decode_equals_naive_for_16_steps():
         assert logits[True].argmax(-1).tolist() == nxt == logits[False].argmax(-1).tolist()
         for s, t in zip(seqs, nxt):
             s.append(t)
-        logits = {a: run_step(model, caches[a], tables, seqs, [1] * len(seqs), a)
-                  for a in (True, False)}
+        logits = {
+            a: run_step(model, caches[a], tables, seqs, [1] * len(seqs), a) for a in (True, False)
+        }

@@ -6,23 +6,54 @@ import torch
 from moe import load_model
 from tests.hf_oracle import hf_greedy, make_hf_model
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-        "rope_theta": 10000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "rope_theta": 10000.0,
+}
 
 CASES = {
     # V3: sigmoid + e_score_correction_bias, group-limited (noaux_tc), normalised top-k weights.
-    "v3-qlora-groups-yarn": ("v3", dict(n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                                        rope_parameters=YARN, rope_interleave=True)),
-    "v3-no-qlora-no-norm": ("v3", dict(q_lora_rank=None, n_group=2, topk_group=1,
-                                       norm_topk_prob=False, routed_scaling_factor=1.5,
-                                       first_k_dense_replace=2, num_hidden_layers=4)),
+    "v3-qlora-groups-yarn": (
+        "v3",
+        dict(
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=YARN,
+            rope_interleave=True,
+        ),
+    ),
+    "v3-no-qlora-no-norm": (
+        "v3",
+        dict(
+            q_lora_rank=None,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=2,
+            num_hidden_layers=4,
+        ),
+    ),
     "v3-rope-halves": ("v3", dict(n_group=1, topk_group=1, rope_interleave=False)),
     # V2: softmax gate, plain greedy and group-limited greedy top-k.
     "v2-greedy": ("v2", dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0)),
-    "v2-group-limited-yarn": ("v2", dict(topk_method="group_limited_greedy", n_group=4,
-                                         topk_group=2, routed_scaling_factor=16.0,
-                                         rope_parameters=YARN)),
+    "v2-group-limited-yarn": (
+        "v2",
+        dict(
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=16.0,
+            rope_parameters=YARN,
+        ),
+    ),
 }
 
 
@@ -36,7 +67,9 @@ def pair(request, tmp_path_factory):
 
 def test_logits_match(pair):
     hf, ours = pair
-    ids = torch.randint(0, hf.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         expected = hf(ids).logits
     got = ours(ids)

@@ -1,0 +1,1 @@
+"""Cluster bring-up on Ray: config, pools, KV transport, controller, and the `epcluster` CLI."""

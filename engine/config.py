@@ -1,0 +1,38 @@
+"""EngineConfig: everything one rank's engine needs, checked once."""
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "tiny"  # preset name or checkpoint directory
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16  # 64 on GPUs (FlashMLA); small blocks waste less on a CPU
+    kv_cache_bytes: int = 256 * 2**20  # memory budget for the paged latent cache
+    max_num_seqs: int = 64  # running requests per step
+    max_num_batched_tokens: int = 2048  # tokens per step: prefill chunks + decodes
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    mla_absorb: bool = True  # decode in the latent space (weight absorption)
+    seed: int = 0  # draws the seeds of requests that bring none
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"engine option {name}: {why} (got {getattr(self, name)!r})")
+
+        need(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
+        need(self.block_size >= 1, "block_size", "must be >= 1")
+        need(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
+        need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

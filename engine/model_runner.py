@@ -1,0 +1,91 @@
+"""Runs one scheduled batch through the model over the paged latent cache, then samples.
+
+Legend: T tokens in the step, N requests, V vocab, L layers, B blocks, S block size, C latent width.
+"""
+
+import torch
+
+from engine.config import EngineConfig
+from engine.request import Request
+from engine.sampler import SampleOutput, sample
+from moe.attention import PagedKV
+from moe.model import DeepseekForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: DeepseekForCausalLM) -> None:
+        self.config = config
+        self.model = model
+        c = model.config
+        itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
+        bytes_per_block = c.num_hidden_layers * config.block_size * c.kv_cache_width * itemsize
+        self.num_blocks = config.kv_cache_bytes // bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {bytes_per_block} bytes"
+            )
+        # NOTE: zeros, not empty: attention masks rows past a sequence's end, but a NaN there
+        # would still poison the sum.
+        self.kv_caches = [
+            torch.zeros(
+                self.num_blocks,
+                config.block_size,
+                c.kv_cache_width,
+                dtype=config.torch_dtype,
+                device=config.device,
+            )
+            for _ in range(c.num_hidden_layers)
+        ]  # L x [B, S, C]
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.config.block_size
+
+    def prepare(
+        self, requests: list[Request], num_new: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, PagedKV]:
+        """-> input_ids [T], positions [T], and where those tokens live in the cache."""
+        bs, device = self.config.block_size, self.config.device
+        ids, positions, slots, tables, context_lens = [], [], [], [], []
+        for req, n in zip(requests, num_new):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            pos = torch.arange(start, end)
+            table = torch.tensor(req.block_table, dtype=torch.long)
+            ids.append(torch.tensor(req.all_token_ids[start:end], dtype=torch.long))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(table)
+            context_lens.append(end)
+        block_tables = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True, padding_value=0)
+        kv = PagedKV(
+            self.kv_caches,
+            torch.cat(slots).to(device),
+            block_tables.to(device),
+            list(num_new),
+            context_lens,
+            absorb=self.config.mla_absorb,
+        )
+        return torch.cat(ids).to(device), torch.cat(positions).to(device), kv
+
+    @torch.inference_mode()
+    def run(self, requests: list[Request], num_new: list[int]) -> SampleOutput | None:
+        """Compute the step; sample for requests whose prompt is complete after it (in order of
+        `requests`, skipping unfinished prefill chunks). None if nobody samples."""
+        input_ids, positions, kv = self.prepare(requests, num_new)
+        hidden = self.model.forward_tokens(input_ids, positions, kv=kv)  # [T, H]
+        last = torch.tensor(num_new).cumsum(0) - 1  # [N] index of each request's last token
+        samplers = [
+            i
+            for i, (r, n) in enumerate(zip(requests, num_new))
+            if r.num_computed_tokens + n == r.num_tokens
+        ]
+        if not samplers:
+            return None
+        logits = self.model.compute_logits(hidden[last[samplers]])  # [n, V]
+        chosen = [requests[i] for i in samplers]
+        return sample(
+            logits,
+            [r.params for r in chosen],
+            [r.seed for r in chosen],
+            [r.num_tokens for r in chosen],
+        )

@@ -1,0 +1,84 @@
+"""A request inside one engine, and what the engine reports about it."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's tokens: the whole output from `LLM.generate`, or the new part of one step
+    (a delta) from `LLMEngine.step` and the streaming API."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # None while running, else "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_completion_tokens: int  # so far, in the whole request
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int  # FCFS order
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose latent KV is in the cache
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    text: str = ""  # detokenized output, stop strings removed
+    num_text_sent: int = 0
+    num_tokens_sent: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def take_delta(self) -> RequestOutput:
+        """What is new since the last call (tokens and text), as a RequestOutput."""
+        new_tokens = self.output_token_ids[self.num_tokens_sent :]
+        new_text = self.text[self.num_text_sent :]
+        new_logprobs = (
+            self.logprobs[self.num_tokens_sent :] if self.params.logprobs is not None else None
+        )
+        self.num_tokens_sent = len(self.output_token_ids)
+        self.num_text_sent = len(self.text)
+        return RequestOutput(
+            self.request_id,
+            new_tokens,
+            new_text,
+            self.finish_reason,
+            len(self.prompt_token_ids),
+            len(self.output_token_ids),
+            self.num_cached_tokens,
+            new_logprobs,
+        )

@@ -1,0 +1,104 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget (max_num_batched_tokens) and a cap on running requests
+(max_num_seqs). Running requests go first, in arrival order: a decode costs one token, an
+unfinished prompt a chunk of what is left. Then waiting requests are admitted, FCFS, while budget,
+seats and KV blocks last. When a running request cannot get a block, the most recently arrived
+running request is preempted: its blocks are freed and it recomputes later (same tokens: sampling
+depends only on seed and position).
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.request import Request, Status
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    requests: list[Request]
+    num_new_tokens: list[int]  # tokens each request computes this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        # 1. Running requests, oldest first; preempt the youngest when blocks run out.
+        queue = sorted(self.running, key=lambda r: r.arrival)
+        kept: list[Request] = []
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.append_slots(req.block_table, req.num_computed_tokens + n):
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                kept.append(req)
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        self.running = kept + queue  # requests left over when the budget ran out keep their seat
+        # 2. Admit waiting requests, FCFS, while there is budget, a seat and blocks.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            allocation = self.block_manager.allocate(req.all_token_ids)
+            if allocation is None:
+                break
+            self.waiting.popleft()
+            req.block_table, cached = allocation
+            req.num_computed_tokens = cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = cached
+            req.status = Status.RUNNING
+            n = min(req.num_tokens - cached, budget)
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req.block_table)
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = Status.WAITING
+        if req in self.running:
+            self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request however it ends; its blocks go back (cached blocks stay reusable)."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        if req.block_table:
+            self.block_manager.free(req.block_table)
+            req.block_table = []
+        req.status = Status.FINISHED
+        req.finish_reason = reason
