@@ -20,6 +20,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     mla_absorb: bool = True  # decode in the latent space (weight absorption)
     seed: int = 0  # draws the seeds of requests that bring none
+    # Two-batch overlap in expert-parallel pools: "on", "off", or "auto" (when the largest batch
+    # in the pool has at least tbo_min_tokens: below that the split costs more than it hides).
+    two_batch_overlap: str = "auto"
+    tbo_min_tokens: int = 32
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -31,6 +35,9 @@ class EngineConfig:
         need(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        need(self.two_batch_overlap in ("on", "off", "auto"), "two_batch_overlap",
+             "must be on, off or auto")
+        need(self.tbo_min_tokens >= 2, "tbo_min_tokens", "must be >= 2")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
 
     @property

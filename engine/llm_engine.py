@@ -4,6 +4,9 @@ schedule -> run -> postprocess; `step()` returns what each request gained in tha
 import itertools
 import random
 
+import torch
+import torch.distributed as dist
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import update_text
@@ -18,9 +21,16 @@ from moe.tokenizer import Tokenizer, load_tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: DeepseekForCausalLM | None = None) -> None:
+    """One rank. With an expert-parallel `ep_group`, every step is a collective: the ranks agree
+    (one small all-reduce) on whether any has work and whether to split into two micro-batches,
+    and a rank with nothing to do steps with an empty batch."""
+
+    def __init__(self, config: EngineConfig, model: DeepseekForCausalLM | None = None,
+                 ep_group: "dist.ProcessGroup | None" = None, ep_size: int = 1) -> None:
         path = resolve_model_path(config.model)
         self.config = config
+        self.ep_group, self.ep_size = ep_group, ep_size
+        self.pool_has_unfinished = False  # from the last agreement: any rank with requests
         self.model = model or load_model(path, dtype=config.torch_dtype, device=config.device)
         mc = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(
@@ -92,10 +102,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if batch.is_empty:
+        if self.ep_size == 1:
+            if batch.is_empty:
+                return []
+            return self.postprocess(batch, self.runner.run(batch.requests, batch.num_new_tokens))
+        num_tokens = sum(batch.num_new_tokens)
+        # NOTE: every rank of the pool reaches this all-reduce once per step, work or not.
+        flags = torch.tensor([num_tokens, self.scheduler.num_unfinished], device=self.config.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ep_group)
+        max_tokens, max_unfinished = flags.tolist()
+        self.pool_has_unfinished = max_unfinished > 0
+        if max_tokens == 0:
             return []
-        sampled = self.runner.run(batch.requests, batch.num_new_tokens)
-        return self.postprocess(batch, sampled)
+        mode = self.config.two_batch_overlap
+        split = mode == "on" or (mode == "auto" and max_tokens >= self.config.tbo_min_tokens)
+        sampled = self.runner.run(batch.requests, batch.num_new_tokens, split)
+        return self.postprocess(batch, sampled) if batch.requests else []
 
     def postprocess(
         self, batch: ScheduledBatch, sampled: SampleOutput | None

@@ -10,6 +10,7 @@ from engine.request import Request
 from engine.sampler import SampleOutput, sample
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
+from moe.overlap import Stages, model_stages, run_interleaved
 
 
 class ModelRunner:
@@ -67,12 +68,33 @@ class ModelRunner:
         )
         return torch.cat(ids).to(device), torch.cat(positions).to(device), kv
 
+    def _stages(self, requests: list[Request], num_new: list[int]) -> Stages:
+        if not requests:  # an empty batch still joins every collective of an EP step
+            empty = torch.empty(0, dtype=torch.long, device=self.config.device)
+            return model_stages(self.model, empty, empty, None, [])
+        input_ids, positions, kv = self.prepare(requests, num_new)
+        return model_stages(self.model, input_ids, positions, kv)
+
+    def forward(self, requests: list[Request], num_new: list[int], split: bool) -> torch.Tensor:
+        """-> hidden [T, H] of the step's tokens, in order. With split, two micro-batches of
+        about equal token counts run interleaved (two-batch overlap)."""
+        if not split:
+            return run_interleaved([self._stages(requests, num_new)])[0]
+        half, acc, cut = sum(num_new) / 2, 0, 0
+        while cut < len(requests) and acc + num_new[cut] / 2 <= half:
+            acc += num_new[cut]
+            cut += 1
+        parts = [(requests[:cut], num_new[:cut]), (requests[cut:], num_new[cut:])]
+        return torch.cat(run_interleaved([self._stages(r, n) for r, n in parts]))
+
     @torch.inference_mode()
-    def run(self, requests: list[Request], num_new: list[int]) -> SampleOutput | None:
+    def run(self, requests: list[Request], num_new: list[int], split: bool = False
+            ) -> SampleOutput | None:
         """Compute the step; sample for requests whose prompt is complete after it (in order of
         `requests`, skipping unfinished prefill chunks). None if nobody samples."""
-        input_ids, positions, kv = self.prepare(requests, num_new)
-        hidden = self.model.forward_tokens(input_ids, positions, kv=kv)  # [T, H]
+        hidden = self.forward(requests, num_new, split)  # [T, H]
+        if not requests:
+            return None
         last = torch.tensor(num_new).cumsum(0) - 1  # [N] index of each request's last token
         samplers = [
             i

@@ -30,6 +30,7 @@ def grouped_expert_mlp(
         if n == 0:
             continue
         rows = x[start : start + n]  # [n, H]
-        out[start : start + n] = silu_and_mul(rows @ w13[slot].t()) @ w2[slot].t()
+        # NOTE: F.linear, not `rows @ w.t()`: on CPU the latter is up to 10x slower for few rows.
+        out[start : start + n] = F.linear(silu_and_mul(F.linear(rows, w13[slot])), w2[slot])
         start += n
     return out

@@ -7,6 +7,7 @@ K experts per token.
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.gate import grouped_topk
@@ -52,7 +53,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, K] fp32, topk_idx [T, K] int64), logical expert ids."""
         c = self.config
-        logits = x.float() @ self.weight.float().t()  # [T, E]
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
         return grouped_topk(
             logits,
             c.num_experts_per_tok,

@@ -1,0 +1,34 @@
+"""Shared helpers for benchmarks: seeded workloads and result files."""
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+             seed: int = 0) -> list[tuple[list[int], int]]:
+    """`num` (prompt token ids, output length) pairs, uniformly random in the given ranges."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        plen = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=gen))
+        olen = int(torch.randint(output_range[0], output_range[1] + 1, (1,), generator=gen))
+        out.append((torch.randint(2, vocab, (plen,), generator=gen).tolist(), olen))
+    return out
+
+
+def record(name: str, result: dict) -> Path:
+    """Write bench/results/<name>.json with the command line and the machine."""
+    result = dict(result, command=" ".join([Path(sys.executable).name, *sys.argv]),
+                  machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+                  date=time.strftime("%Y-%m-%d"))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
