@@ -35,8 +35,11 @@ class EngineConfig:
         need(self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
-        need(self.two_batch_overlap in ("on", "off", "auto"), "two_batch_overlap",
-             "must be on, off or auto")
+        need(
+            self.two_batch_overlap in ("on", "off", "auto"),
+            "two_batch_overlap",
+            "must be on, off or auto",
+        )
         need(self.tbo_min_tokens >= 2, "tbo_min_tokens", "must be >= 2")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
 

@@ -17,8 +17,13 @@ def default_placement(config: EngineConfig, num_ranks: int) -> Placement:
     return Placement.contiguous(tuple(mc.moe_layers), mc.n_routed_experts, num_ranks)
 
 
-def build_ep_engine(config: EngineConfig, group: dist.ProcessGroup | None, rank: int,
-                    num_ranks: int, placement: Placement | None = None) -> LLMEngine:
+def build_ep_engine(
+    config: EngineConfig,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    num_ranks: int,
+    placement: Placement | None = None,
+) -> LLMEngine:
     """The engine of `rank` in a pool of `num_ranks` (group: its torch.distributed group; the
     default group when None). With one rank, a plain engine."""
     if num_ranks == 1:
@@ -26,7 +31,11 @@ def build_ep_engine(config: EngineConfig, group: dist.ProcessGroup | None, rank:
     placement = placement or default_placement(config, num_ranks)
     if placement.num_ranks != num_ranks:
         raise ValueError(f"placement is for {placement.num_ranks} ranks, the pool has {num_ranks}")
-    model = load_model(resolve_model_path(config.model), dtype=config.torch_dtype,
-                       device=config.device, experts=placement.rank_experts(rank))
+    model = load_model(
+        resolve_model_path(config.model),
+        dtype=config.torch_dtype,
+        device=config.device,
+        experts=placement.rank_experts(rank),
+    )
     install_expert_parallel(model, group, placement, rank)
     return LLMEngine(config, model, ep_group=group, ep_size=num_ranks)

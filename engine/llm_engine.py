@@ -25,8 +25,13 @@ class LLMEngine:
     (one small all-reduce) on whether any has work and whether to split into two micro-batches,
     and a rank with nothing to do steps with an empty batch."""
 
-    def __init__(self, config: EngineConfig, model: DeepseekForCausalLM | None = None,
-                 ep_group: "dist.ProcessGroup | None" = None, ep_size: int = 1) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: DeepseekForCausalLM | None = None,
+        ep_group: "dist.ProcessGroup | None" = None,
+        ep_size: int = 1,
+    ) -> None:
         path = resolve_model_path(config.model)
         self.config = config
         self.ep_group, self.ep_size = ep_group, ep_size

@@ -88,8 +88,9 @@ class ModelRunner:
         return torch.cat(run_interleaved([self._stages(r, n) for r, n in parts]))
 
     @torch.inference_mode()
-    def run(self, requests: list[Request], num_new: list[int], split: bool = False
-            ) -> SampleOutput | None:
+    def run(
+        self, requests: list[Request], num_new: list[int], split: bool = False
+    ) -> SampleOutput | None:
         """Compute the step; sample for requests whose prompt is complete after it (in order of
         `requests`, skipping unfinished prefill chunks). None if nobody samples."""
         hidden = self.forward(requests, num_new, split)  # [T, H]

@@ -22,8 +22,14 @@ from moe.model import DecoderLayer, DeepseekForCausalLM
 Stages = Generator[None, None, torch.Tensor]
 
 
-def layer_stages(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv: PagedKV | None, seq_lens: list[int] | None) -> Stages:
+def layer_stages(
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: PagedKV | None,
+    seq_lens: list[int] | None,
+) -> Stages:
     """One decoder layer on x [T, H], yielding while its all-to-alls are in flight."""
     x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, seq_lens, kv)
     h = layer.post_attention_layernorm(x)
@@ -43,8 +49,13 @@ def layer_stages(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: t
     return x + (out if shared is None else out + shared)
 
 
-def model_stages(model: DeepseekForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv: PagedKV | None = None, seq_lens: list[int] | None = None) -> Stages:
+def model_stages(
+    model: DeepseekForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv: PagedKV | None = None,
+    seq_lens: list[int] | None = None,
+) -> Stages:
     """model.forward_tokens as a generator: input_ids, positions [T] -> hidden [T, H]."""
     x = model.model.embed_tokens(input_ids)
     cos, sin = rope_cos_sin(positions, model.inv_freq, model.rope_scaling)

@@ -23,8 +23,10 @@ def run_pool(fn, num_ranks: int, *args, timeout: float = 300) -> list:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(fn, r, num_ranks, port, tmp, args))
-                 for r in range(num_ranks)]
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, num_ranks, port, tmp, args))
+            for r in range(num_ranks)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -32,8 +34,11 @@ def run_pool(fn, num_ranks: int, *args, timeout: float = 300) -> list:
         for p in procs:
             if p.is_alive():
                 p.kill()
-        errors = [Path(tmp, f"{r}.err").read_text() for r in range(num_ranks)
-                  if Path(tmp, f"{r}.err").exists()]
+        errors = [
+            Path(tmp, f"{r}.err").read_text()
+            for r in range(num_ranks)
+            if Path(tmp, f"{r}.err").exists()
+        ]
         if errors:
             raise RuntimeError("rank failed:\n" + "\n".join(errors))
         if any(p.exitcode != 0 for p in procs):
@@ -45,11 +50,12 @@ def _worker(fn, rank, num_ranks, port, tmp, args) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=num_ranks)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks
+        )
         result = fn(rank, num_ranks, *args)
         torch.save(result, Path(tmp, f"{rank}.pt"))
         dist.destroy_process_group()
     except BaseException:
         Path(tmp, f"{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None

@@ -15,10 +15,14 @@ NUM_PROMPTS = 12
 
 def workload():
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(2, 512, (int(n),), generator=gen).tolist()
-               for n in torch.randint(3, 60, (NUM_PROMPTS,), generator=gen)]
-    params = [SamplingParams(max_tokens=12, temperature=0 if i % 3 else 0.9, seed=i,
-                             ignore_eos=True) for i in range(NUM_PROMPTS)]
+    prompts = [
+        torch.randint(2, 512, (int(n),), generator=gen).tolist()
+        for n in torch.randint(3, 60, (NUM_PROMPTS,), generator=gen)
+    ]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0 if i % 3 else 0.9, seed=i, ignore_eos=True)
+        for i in range(NUM_PROMPTS)
+    ]
     return prompts, params
 
 
@@ -30,8 +34,13 @@ def expected():
 
 
 def ep_rank(rank, num_ranks, tbo, num_slots, share):
-    config = EngineConfig(model="tiny", block_size=4, two_batch_overlap=tbo, tbo_min_tokens=8,
-                          max_num_batched_tokens=64)
+    config = EngineConfig(
+        model="tiny",
+        block_size=4,
+        two_batch_overlap=tbo,
+        tbo_min_tokens=8,
+        max_num_batched_tokens=64,
+    )
     placement = None
     if num_slots:
         placement = Placement.contiguous((1, 2), 16, num_ranks, num_slots)
@@ -63,13 +72,16 @@ def all_on_rank0(i, num_ranks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("num_ranks, tbo, num_slots, share", [
-    (2, "off", None, round_robin),
-    (2, "on", None, round_robin),
-    (4, "off", None, round_robin),
-    (4, "on", 24, round_robin),  # redundant replicas: 24 slots for 16 experts
-    (2, "auto", 20, all_on_rank0),  # rank 1 has no requests at all
-])
+@pytest.mark.parametrize(
+    "num_ranks, tbo, num_slots, share",
+    [
+        (2, "off", None, round_robin),
+        (2, "on", None, round_robin),
+        (4, "off", None, round_robin),
+        (4, "on", 24, round_robin),  # redundant replicas: 24 slots for 16 experts
+        (2, "auto", 20, all_on_rank0),  # rank 1 has no requests at all
+    ],
+)
 def test_ep_pool_matches_single_engine(expected, num_ranks, tbo, num_slots, share):
     results = run_pool(ep_rank, num_ranks, tbo, num_slots, share)
     steps = {r["steps"] for r in results}
