@@ -56,7 +56,9 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, config: ModelConfig, experts: ExpertSubset = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight skips the random init (uninitialised storage: the loader fills it).
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, experts) for i in range(config.num_hidden_layers)
         )
