@@ -25,6 +25,7 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {bytes_per_block} bytes"
             )
+        self.num_split_steps = 0  # steps run as two micro-batches (two-batch overlap)
         # NOTE: zeros, not empty: attention masks rows past a sequence's end, but a NaN there
         # would still poison the sum.
         self.kv_caches = [
@@ -80,6 +81,7 @@ class ModelRunner:
         about equal token counts run interleaved (two-batch overlap)."""
         if not split:
             return run_interleaved([self._stages(requests, num_new)])[0]
+        self.num_split_steps += 1
         half, acc, cut = sum(num_new) / 2, 0, 0
         while cut < len(requests) and acc + num_new[cut] / 2 <= half:
             acc += num_new[cut]

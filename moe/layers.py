@@ -85,10 +85,10 @@ class Experts(nn.Module):
 
     def _log2slot(self) -> torch.Tensor:
         """[E] int64: a local slot of each logical expert, -1 where none."""
-        log2slot = torch.full((self.num_experts,), -1, dtype=torch.long)
-        log2slot[torch.tensor(self.expert_ids, dtype=torch.long)] = torch.arange(
-            len(self.expert_ids)
-        )
+        # NOTE: explicit cpu: factory calls under a meta-device context import torch._dynamo (2 s).
+        log2slot = torch.full((self.num_experts,), -1, dtype=torch.long, device="cpu")
+        ids = torch.tensor(self.expert_ids, dtype=torch.long, device="cpu")
+        log2slot[ids] = torch.arange(len(self.expert_ids), device="cpu")
         return log2slot
 
     def init_buffers(self) -> None:

@@ -10,7 +10,7 @@ from moe.config import ModelConfig
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """-> (inv_freq [D/2] fp32, attention_scaling) for D = qk_rope_head_dim."""
     dim, base = config.qk_rope_head_dim, config.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
     rs = config.rope_scaling
     if rs is None:
         return 1.0 / pos_freqs, 1.0
@@ -26,7 +26,9 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     high = min(math.ceil(correction_dim(rs.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
     extrapolation = 1 - ramp  # 1 where the original frequency is kept
     inv_freq = (1.0 / (rs.factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
     return inv_freq, rs.attention_factor

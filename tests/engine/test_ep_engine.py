@@ -59,7 +59,14 @@ def ep_rank(rank, num_ranks, tbo, num_slots, share):
             break
     engine.assert_no_leaks()
     slots = {moe.experts.w13.shape[0] for moe in engine.model.moe_layers()}
-    return {"outputs": outputs, "steps": steps, "slots": slots}
+    overlapped = all(getattr(m, "dispatcher", None) for m in engine.model.moe_layers())
+    return {
+        "outputs": outputs,
+        "steps": steps,
+        "slots": slots,
+        "split_steps": engine.runner.num_split_steps,
+        "overlapped": overlapped,
+    }
 
 
 def round_robin(i, num_ranks):
@@ -86,6 +93,12 @@ def test_ep_pool_matches_single_engine(expected, num_ranks, tbo, num_slots, shar
     results = run_pool(ep_rank, num_ranks, tbo, num_slots, share)
     steps = {r["steps"] for r in results}
     assert len(steps) == 1  # lockstep: every rank took the same number of steps
+    split_steps = {r["split_steps"] for r in results}
+    assert len(split_steps) == 1 and all(r["overlapped"] for r in results)
+    if tbo == "on":
+        assert split_steps == {results[0]["steps"] - 1}  # all but the final agreement-only step
+    elif tbo == "off":
+        assert split_steps == {0}
     for rank, result in enumerate(results):
         assert result["slots"] == {(num_slots or 16) // num_ranks}
         for rid, tokens in result["outputs"].items():
