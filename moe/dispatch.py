@@ -25,21 +25,57 @@ from moe.placement import Placement
 
 @dataclass
 class DispatchHandle:
-    """What combine needs to send the rows back. recv_x / recv_counts are ready after wait()."""
+    """What combine needs to send the rows back.
+
+    Two phases, so that a caller can overlap both with other work: the count exchange is in
+    flight after dispatch(); launch_rows() waits for it and sends the rows; wait() makes
+    recv_x / recv_counts ready (launching the rows first if needed).
+    """
 
     topk_weights: torch.Tensor  # [T, K] fp32
     send_order: torch.Tensor  # [T * K]: the (token * K + k) index of each sent row
-    send_splits: list[int]  # [R] rows sent to each rank
-    recv_splits: list[int]  # [R] rows received from each rank
-    recv_perm: torch.Tensor  # [N]: recv_x[i] = arrival row recv_perm[i]
-    recv_counts: list[int]  # [S_r] rows per local slot, in recv_x order
-    bytes_sent: int  # rows * H * element size, rows to this rank itself included
-    recv_buf: torch.Tensor  # [N, H] rows in arrival order: by source rank, then slot
+    send_counts: torch.Tensor  # [R * S_r] rows to each (destination rank, slot)
+    recv_counts_buf: torch.Tensor  # [R * S_r] rows from each (source rank, my slot)
+    send_x: torch.Tensor  # [T * K, H] rows in send order
+    group: dist.ProcessGroup | None
+    num_ranks: int
+    counts_work: dist.Work | None = None
+    send_splits: list[int] = field(default_factory=list)  # [R] rows sent to each rank
+    recv_splits: list[int] = field(default_factory=list)  # [R] rows received from each rank
+    recv_perm: torch.Tensor | None = None  # [N]: recv_x[i] = arrival row recv_perm[i]
+    recv_counts: list[int] = field(default_factory=list)  # [S_r] rows per local slot
+    bytes_sent: int = 0  # rows * H * element size, rows to this rank itself included
+    recv_buf: torch.Tensor | None = None  # [N, H] rows in arrival order: by source, then slot
     work: dist.Work | None = None
     recv_x: torch.Tensor | None = field(default=None, repr=False)  # [N, H] grouped by local slot
 
+    def launch_rows(self, async_op: bool = True) -> "DispatchHandle":
+        if self.recv_buf is not None:
+            return self
+        if self.counts_work is not None:
+            self.counts_work.wait()
+        num_ranks = self.num_ranks
+        recv_matrix = self.recv_counts_buf.view(num_ranks, -1)  # [R, S_r]
+        self.send_splits = self.send_counts.view(num_ranks, -1).sum(dim=1).tolist()
+        self.recv_splits = recv_matrix.sum(dim=1).tolist()
+        self.recv_perm = _slot_major_perm(recv_matrix)
+        self.recv_counts = recv_matrix.sum(dim=0).tolist()
+        self.bytes_sent = self.send_x.numel() * self.send_x.element_size()
+        self.recv_buf = self.send_x.new_empty(sum(self.recv_splits), self.send_x.shape[1])
+        work = dist.all_to_all_single(
+            self.recv_buf,
+            self.send_x,
+            self.recv_splits,
+            self.send_splits,
+            group=self.group,
+            async_op=async_op,
+        )
+        self.work = work if async_op else None
+        return self
+
     def wait(self) -> "DispatchHandle":
         if self.recv_x is None:
+            self.launch_rows(async_op=False)
             if self.work is not None:
                 self.work.wait()
             self.recv_x = self.recv_buf[self.recv_perm]  # [N, H]
@@ -114,15 +150,15 @@ class AllToAllDispatcher:
         """Send each token's row to the K slots it is routed to.
 
         x [T, H]; topk_idx [T, K] int64 logical experts; topk_weights [T, K] fp32.
-        The count exchange is synchronous; with async_op the row exchange is in flight on return
-        (call handle.wait() before reading recv_x).
+        With async_op the count exchange is in flight on return: call handle.launch_rows() to
+        send the rows (async), and handle.wait() before reading recv_x.
         """
         assert x.dim() == 2 and topk_idx.dim() == 2, (x.shape, topk_idx.shape)
         assert topk_idx.dtype == torch.int64, topk_idx.dtype
         assert topk_weights.shape == topk_idx.shape, (topk_weights.shape, topk_idx.shape)
         assert topk_idx.shape[0] == x.shape[0], (topk_idx.shape, x.shape)
         placement = self._placement_on(x.device)
-        num_ranks, slots_per_rank = placement.num_ranks, placement.slots_per_rank
+        num_ranks = placement.num_ranks
         top_k = topk_idx.shape[1]
         x = x.contiguous()
 
@@ -135,26 +171,18 @@ class AllToAllDispatcher:
             self.tokens_per_slot = self.tokens_per_slot.to(phy.device)
         self.tokens_per_slot += send_counts
         recv_counts = torch.empty_like(send_counts)  # [R * S_r]: from (source rank, my slot)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-
-        send_splits = send_counts.view(num_ranks, slots_per_rank).sum(dim=1).tolist()
-        recv_matrix = recv_counts.view(num_ranks, slots_per_rank)  # [R, S_r]
-        recv_splits = recv_matrix.sum(dim=1).tolist()
-        send_x = x[send_order // top_k]  # [T * K, H]
-        recv_buf = x.new_empty(sum(recv_splits), x.shape[1])  # [N, H]
-        work = dist.all_to_all_single(
-            recv_buf, send_x, recv_splits, send_splits, group=self.group, async_op=async_op
+        counts_work = dist.all_to_all_single(
+            recv_counts, send_counts, group=self.group, async_op=async_op
         )
         handle = DispatchHandle(
             topk_weights=topk_weights,
             send_order=send_order,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            recv_perm=_slot_major_perm(recv_matrix),
-            recv_counts=recv_matrix.sum(dim=0).tolist(),
-            bytes_sent=send_x.numel() * send_x.element_size(),
-            recv_buf=recv_buf,
-            work=work if async_op else None,
+            send_counts=send_counts,
+            recv_counts_buf=recv_counts,
+            send_x=x[send_order // top_k],  # [T * K, H]
+            group=self.group,
+            num_ranks=num_ranks,
+            counts_work=counts_work if async_op else None,
         )
         return handle if async_op else handle.wait()
 
@@ -197,6 +225,8 @@ class AllToAllDispatcher:
         """MoE.routed_fn: x [T, H] -> routed + shared [T, H]. The shared expert runs while the
         rows are in flight."""
         handle = self.dispatch(x, topk_idx, topk_weights, async_op=self.async_op)
+        if self.async_op:
+            handle.launch_rows(async_op=True)
         shared_out = shared(x) if shared is not None else None  # [T, H]
         handle.wait()
         assert len(handle.recv_counts) == len(experts.expert_ids), (

@@ -2,10 +2,10 @@
 waits for its all-to-all (dispatch or combine), the other computes.
 
 Each micro-batch's forward is a generator that yields right after it starts an async
-all-to-all; `run_interleaved` advances the generators in turn. With two micro-batches, per MoE
-layer the collectives go out in the same order on every rank (dispatch 0, dispatch 1, combine 0,
-combine 1), so ranks never deadlock, whatever their batch sizes (an empty micro-batch still joins
-every collective).
+all-to-all (the dispatch counts, the dispatch rows, the combine); `run_interleaved` advances the
+generators in turn. Per MoE layer the collectives go out in the same order on every rank (counts
+0, counts 1, rows 0, rows 1, combine 0, combine 1), so ranks never deadlock, whatever their batch
+sizes (an empty micro-batch still joins every collective).
 
 Legend: T tokens of a micro-batch, H hidden.
 """
@@ -38,8 +38,10 @@ def layer_stages(
     if not isinstance(mlp, MoE) or dispatcher is None:
         return x + mlp(h)
     topk_weights, topk_idx = mlp.gate(h)  # [T, K]
-    handle = dispatcher.dispatch(h, topk_idx, topk_weights, async_op=True)
-    shared = mlp.shared_experts(h) if mlp.shared_experts is not None else None  # in flight
+    handle = dispatcher.dispatch(h, topk_idx, topk_weights, async_op=True)  # counts in flight
+    yield
+    handle.launch_rows()
+    shared = mlp.shared_experts(h) if mlp.shared_experts is not None else None  # rows in flight
     yield
     handle.wait()
     y = mlp.experts.forward_sorted(handle.recv_x, handle.recv_counts)
