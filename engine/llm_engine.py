@@ -10,8 +10,9 @@ import torch.distributed as dist
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import update_text
+from engine.kv_transfer import KVPayload, KVTransferError, export_kv, import_kv
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput
+from engine.request import PREFILLED, Request, RequestOutput
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -48,6 +49,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}
+        # decode side: request id -> (block table, cached prompt tokens, deadline)
+        self.reserved: dict[str, tuple[list[int], int, float]] = {}
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode), lifetime
@@ -81,24 +84,108 @@ class LLMEngine:
         return ids
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        seed: int | None = None,
+        prefill_only: bool = False,
     ) -> Request:
-        if request_id in self.requests:
+        """Queue a request. seed: overrides params.seed (the router resolves it); prefill_only:
+        stop after the first token and export the prompt's KV (a prefill rank's job)."""
+        if request_id in self.requests or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         ids = self.validate_prompt(prompt)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(request_id, ids, params, seed, next(self._arrivals))
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(
+            request_id, ids, params, seed, next(self._arrivals), prefill_only=prefill_only
+        )
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request however far it got (queued, running, or holding a reservation)."""
+        self.release_reservation(request_id)
         req = self.requests.pop(request_id, None)
         if req is None or req.is_finished:
             return None
         self.scheduler.finish(req, "abort")
         return req.take_delta()
+
+    # ---- disaggregation: the decode side ----
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], deadline: float) -> bool:
+        """Hold KV blocks for a prompt whose KV a prefill rank will send, so it never arrives to
+        a full cache. False when there is no room now. Released by start_prefilled, abort, or
+        expire_reservations after `deadline` (time.monotonic())."""
+        if request_id in self.requests or request_id in self.reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        allocation = self.block_manager.allocate(prompt_token_ids)
+        if allocation is None:
+            return False
+        self.reserved[request_id] = (allocation[0], allocation[1], deadline)
+        return True
+
+    def release_reservation(self, request_id: str) -> bool:
+        held = self.reserved.pop(request_id, None)
+        if held is not None:
+            self.block_manager.free(held[0])
+        return held is not None
+
+    def expire_reservations(self, now: float) -> list[str]:
+        expired = [rid for rid, (_, _, deadline) in self.reserved.items() if deadline < now]
+        for rid in expired:
+            self.release_reservation(rid)
+        return expired
+
+    def start_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        first: RequestOutput,
+        kv: KVPayload,
+    ) -> Request:
+        """Continue a request a prefill rank started: import its prompt KV into the reserved
+        blocks and join the running batch with its first token."""
+        if request_id not in self.reserved:
+            raise KVTransferError(f"request {request_id!r} holds no reservation (expired?)")
+        block_table, cached, _ = self.reserved[request_id]
+        if kv.num_tokens != len(prompt_token_ids):
+            self.release_reservation(request_id)
+            raise KVTransferError(
+                f"request {request_id!r}: KV for {kv.num_tokens} tokens, "
+                f"the prompt has {len(prompt_token_ids)}"
+            )
+        try:
+            import_kv(self.runner.kv_caches, block_table, kv.data, start=cached)
+        except Exception:
+            self.release_reservation(request_id)
+            raise
+        del self.reserved[request_id]
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            seed,
+            next(self._arrivals),
+            output_token_ids=list(first.token_ids),
+            block_table=block_table,
+            num_computed_tokens=len(prompt_token_ids),
+            num_cached_tokens=kv.num_cached_tokens,
+        )
+        if first.logprobs:
+            req.logprobs = list(first.logprobs)
+        update_text(req, self.tokenizer, finished=False)  # what the prefill rank already sent
+        req.num_tokens_sent, req.num_text_sent = len(req.output_token_ids), len(req.text)
+        self.block_manager.commit(block_table, req.all_token_ids, req.num_computed_tokens)
+        self.requests[request_id] = req
+        self.scheduler.admit_running(req)
+        return req
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -141,6 +228,13 @@ class LLMEngine:
                 req.logprobs.append(sampled.logprobs[j])
             j += 1
             reason = self._finish_reason(req)
+            if reason is None and req.prefill_only:
+                req.kv_export = KVPayload(
+                    req.request_id,
+                    export_kv(self.runner.kv_caches, req.block_table, len(req.prompt_token_ids)),
+                    req.num_cached_tokens,
+                )
+                reason = PREFILLED
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
@@ -160,6 +254,7 @@ class LLMEngine:
     def assert_no_leaks(self) -> None:
         """With no request alive, every KV block is free or cached and unreferenced."""
         assert not self.has_unfinished(), "requests are still alive"
+        assert not self.reserved, f"reservations still held: {sorted(self.reserved)}"
         self.block_manager.assert_idle()
 
     @property

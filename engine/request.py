@@ -3,8 +3,13 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.kv_transfer import KVPayload
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+# Internal finish reason of a prefill-only request whose prompt is done and whose KV is exported:
+# the decode rank carries on. Never reaches a client.
+PREFILLED = "prefilled"
 
 
 class Status(Enum):
@@ -45,6 +50,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose latent KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
     num_preemptions: int = 0
+    prefill_only: bool = False  # a prefill rank's request: stop after the first token
+    kv_export: "KVPayload | None" = None  # set when a prefill-only request finishes
     finish_reason: str | None = None
     text: str = ""  # detokenized output, stop strings removed
     num_text_sent: int = 0

@@ -80,6 +80,11 @@ class Scheduler:
             budget -= n
         return batch
 
+    def admit_running(self, req: Request) -> None:
+        """A request that arrives with its KV already in place (from a prefill rank)."""
+        req.status = Status.RUNNING
+        self.running.append(req)
+
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.block_table)
         req.block_table = []

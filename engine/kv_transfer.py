@@ -1,0 +1,68 @@
+"""A request's prompt KV cache on its way from a prefill rank to a decode rank.
+
+MLA caches one latent row per token per layer (kv_lora_rank + qk_rope_head_dim numbers), so the
+payload is one tensor [L, T, C]: L layers, T prompt tokens, C latent width. On Ray it travels as
+an object: the prefill call returns it as a separate object ref that the router hands, unopened,
+to the decode call, so the bytes move between the two ranks' object stores, never through the
+router.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels.mla_attention import gather_latent
+
+# Test hook: a decode rank with this variable set fails every KV import (a broken transfer).
+FAIL_IMPORT_ENV = "EPCLUSTER_FAIL_KV_IMPORT"
+
+
+class KVTransferError(RuntimeError):
+    """The KV cache of a request could not be moved to its decode rank."""
+
+
+@dataclass(slots=True)
+class KVPayload:
+    request_id: str
+    data: torch.Tensor  # [L, T, C] on the CPU
+    num_cached_tokens: int  # prompt tokens the prefill rank found in its prefix cache
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def kv_bytes_per_token(num_layers: int, width: int, dtype: torch.dtype) -> int:
+    """MLA: layers x (kv_lora_rank + qk_rope_head_dim) x dtype size."""
+    return num_layers * width * torch.empty((), dtype=dtype).element_size()
+
+
+def export_kv(
+    kv_caches: list[torch.Tensor], block_table: list[int], num_tokens: int
+) -> torch.Tensor:
+    """The first num_tokens cached rows of a request, every layer -> [L, T, C] on the CPU."""
+    table = torch.tensor(block_table, dtype=torch.long, device=kv_caches[0].device)
+    return torch.stack([gather_latent(cache, table, num_tokens) for cache in kv_caches]).cpu()
+
+
+def import_kv(
+    kv_caches: list[torch.Tensor], block_table: list[int], data: torch.Tensor, start: int
+) -> None:
+    """Write rows start .. T-1 of data [L, T, C] into the request's blocks (rows before `start`
+    are already there: prefix-cached blocks, shared with other requests, are left untouched)."""
+    if os.environ.get(FAIL_IMPORT_ENV):
+        raise KVTransferError(f"KV import failed ({FAIL_IMPORT_ENV} is set)")
+    num_layers, num_tokens, width = data.shape
+    assert num_layers == len(kv_caches) and width == kv_caches[0].shape[-1], data.shape
+    block_size = kv_caches[0].shape[1]
+    device = kv_caches[0].device
+    pos = torch.arange(start, num_tokens, device=device)
+    table = torch.tensor(block_table, dtype=torch.long, device=device)
+    slots = table[pos // block_size] * block_size + pos % block_size  # [T - start]
+    for cache, rows in zip(kv_caches, data):
+        cache.view(-1, width)[slots] = rows[start:].to(device=device, dtype=cache.dtype)
