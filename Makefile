@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= The expert-parallel cluster says
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint proto clean
 
 install: $(STAMP)
 
@@ -21,6 +21,9 @@ run: install
 
 test: install
 	$(PY) -m pytest -q
+
+proto: install  # regenerate router/proto/*_pb2*.py from epcluster.proto
+	PYTHON=$(PY) router/proto/generate.sh
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -110,7 +110,9 @@ def test_cluster_status_round_trip_and_placement_summary():
 
     status = ClusterStatus(
         pools=[
-            PoolStatus("prefill", [rank("prefill", 0, {2: [0, 1]}), rank("prefill", 1, {2: [2, 3]})]),
+            PoolStatus(
+                "prefill", [rank("prefill", 0, {2: [0, 1]}), rank("prefill", 1, {2: [2, 3]})]
+            ),
             PoolStatus("decode", [rank("decode", 0, {}), rank("decode", 1, {})]),
         ],
         num_in_flight=5,

@@ -50,7 +50,8 @@ def test_closing_the_stream_early_aborts_the_request(backend):
         stream = backend.generate(request("early", [5, 6, 7], LONG))
         first = await anext(stream)
         await anext(stream)
-        assert await backend.call(engine_load) == (True, 1)
+        unfinished, used = await backend.call(engine_load)
+        assert unfinished and used >= 1
         await stream.aclose()
         return first
 

@@ -1,0 +1,49 @@
+"""What the gRPC server needs from whatever generates tokens: one engine in this process
+(router.local_backend.LocalBackend) or the prefill and decode pools on Ray (cluster/).
+
+The server validates and tokenizes every request, resolves its seed and deadline, and admits it
+before calling `generate`; a backend never sees a request the router has refused.
+"""
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from engine.messages import ClusterStatus, GenerateRequest, ModelInfo
+from engine.request import RequestOutput
+from moe.tokenizer import Tokenizer
+
+
+class Backend(Protocol):
+    tokenizer: Tokenizer  # encodes text prompts in the router; immutable, safe from any thread
+
+    def model_info(self) -> ModelInfo:
+        """The served model's facts; cheap and constant once constructed."""
+        ...
+
+    def ready(self) -> bool:
+        """True when `generate` can take requests (drives the gRPC health status); cheap,
+        polled from the event loop."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream one request's deltas (an async generator: `async def` with `yield`).
+
+        Each delta holds the new token ids and text since the previous one; num_* counters
+        are totals so far. The last delta has finish_reason set ("stop" | "length" | "abort");
+        after the deadline (request.deadline, time.time() seconds) the backend ends the
+        request with "abort". Raises ValueError (before any delta) when the request cannot
+        be served as given (the server answers INVALID_ARGUMENT with its message); any other
+        exception is an internal failure (INTERNAL).
+        NOTE: closing the iterator early (aclose, or cancellation while awaiting it) must
+        abort the request and free its KV blocks, like `abort`.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks on every rank. Idempotent: unknown or finished
+        ids are ignored. The request's stream, if still open, ends with finish_reason "abort"."""
+        ...
+
+    async def status(self) -> ClusterStatus:
+        """Pools, ranks and the requests in flight; the server adds its admission counters."""
+        ...

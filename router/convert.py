@@ -1,0 +1,298 @@
+"""Protobuf <-> engine dataclasses, and the validation of a Generate request on the way in.
+
+Every check raises ValueError with a message that says what to fix; the server answers it as
+INVALID_ARGUMENT. Nothing here does I/O.
+"""
+
+import secrets
+import uuid
+
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolStatus, RankStatus
+from engine.request import RequestOutput
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import MAX_SEED, SamplingParams
+from moe.tokenizer import Tokenizer
+from router.proto import epcluster_pb2 as pb
+
+MAX_REQUEST_ID_LEN = 256
+
+FINISH_TO_PROTO = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+# Optional scalars of pb.SamplingParams; unset ones keep engine.SamplingParams' defaults.
+_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos")
+
+
+# ---- Generate: request in ----
+
+
+def unknown_fields(msg: Message, path: str = "") -> list[str]:
+    """Paths of the fields in msg (and its set sub-messages) that this schema does not define,
+    e.g. ["sampling_params.#42"]. Parsing keeps them; a client built from another version of
+    epcluster.proto would otherwise have them silently ignored."""
+    found = [f"{path}#{f.field_number}" for f in UnknownFieldSet(msg)]
+    for field, value in msg.ListFields():
+        if field.message_type is None:
+            continue
+        children = value if field.is_repeated else [value]
+        for i, child in enumerate(children):
+            index = f"[{i}]" if field.is_repeated else ""
+            found += unknown_fields(child, f"{path}{field.name}{index}.")
+    return found
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """-> engine SamplingParams (unset fields take the engine defaults), or ValueError."""
+    kwargs: dict[str, object] = {k: getattr(msg, k) for k in _OPTIONAL_PARAMS if msg.HasField(k)}
+    if msg.HasField("logprobs"):
+        kwargs["logprobs"] = msg.logprobs
+    return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), **kwargs)
+
+
+def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def generate_request_to_proto(
+    prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+) -> pb.GenerateRequest:
+    """The client side: a text or token-id prompt and engine SamplingParams as a request."""
+    msg = pb.GenerateRequest(sampling_params=sampling_params_to_proto(params or SamplingParams()))
+    if isinstance(prompt, str):
+        msg.text = prompt
+    else:
+        msg.token_ids.ids.extend(prompt)
+        msg.token_ids.SetInParent()  # an empty list is still a token-id prompt (and refused)
+    if request_id is not None:
+        msg.request_id = request_id
+    return msg
+
+
+def prompt_token_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
+    """The request's prompt as token ids, checked against the vocabulary and the context."""
+    kind = msg.WhichOneof("prompt")
+    if kind is None:
+        raise ValueError("no prompt: set `text` or `token_ids`")
+    if kind == "text":
+        if not msg.text:
+            raise ValueError("prompt text is empty: give at least one character")
+        ids = tokenizer.encode(msg.text)
+        if not ids:
+            raise ValueError(f"prompt text {msg.text[:40]!r} encodes to no tokens")
+    else:
+        ids = list(msg.token_ids.ids)
+        if not ids:
+            raise ValueError("token_ids is empty: give at least one token id")
+        for i, t in enumerate(ids):
+            if not 0 <= t < info.vocab_size:
+                raise ValueError(
+                    f"token_ids[{i}] = {t} is out of range: ids must be in [0, {info.vocab_size})"
+                )
+    if len(ids) >= info.max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens but the model's context is {info.max_model_len}: "
+            f"shorten it to at most {info.max_model_len - 1} tokens"
+        )
+    return ids
+
+
+def generate_request_from_proto(
+    msg: pb.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo, deadline: float | None = None
+) -> GenerateRequest:
+    """Validate and tokenize a Generate request; resolve its id (random when unset) and its seed
+    (a random 63-bit one when unset, so the request is reproducible downstream)."""
+    unknown = unknown_fields(msg)
+    if unknown:
+        raise ValueError(
+            f"request has fields this server does not know: {', '.join(unknown)} "
+            "(client and server must use the same epcluster.proto)"
+        )
+    if msg.HasField("request_id"):
+        request_id = msg.request_id
+        if not request_id:
+            raise ValueError("request_id is empty: leave it unset and the router picks one")
+        if len(request_id) > MAX_REQUEST_ID_LEN:
+            raise ValueError(
+                f"request_id has {len(request_id)} characters: use at most {MAX_REQUEST_ID_LEN}"
+            )
+    else:
+        request_id = uuid.uuid4().hex
+    ids = prompt_token_ids(msg, tokenizer, info)
+    try:
+        params = sampling_params_from_proto(msg.sampling_params)
+    except ValueError as e:
+        raise ValueError(f"sampling_params: {e}") from None
+    for t in params.stop_token_ids:
+        if t >= info.vocab_size:
+            raise ValueError(
+                f"sampling_params: stop_token_ids holds {t}: ids must be in [0, {info.vocab_size})"
+            )
+    if params.seed is None:
+        params.seed = secrets.randbelow(MAX_SEED)
+    return GenerateRequest(request_id, ids, params, params.seed, deadline)
+
+
+# ---- Generate: responses out ----
+
+
+def output_to_proto(out: RequestOutput, ttft_s: float | None = None) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=out.token_ids,
+        text=out.text,
+        finish_reason=FINISH_TO_PROTO[out.finish_reason],
+        usage=pb.Usage(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_completion_tokens,
+            cached_tokens=out.num_cached_tokens,
+        ),
+    )
+    if ttft_s is not None:
+        msg.time_to_first_token_s = ttft_s
+    for lp in out.logprobs or []:
+        msg.logprobs.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+    return msg
+
+
+def output_from_proto(msg: pb.GenerateResponse) -> RequestOutput:
+    """A delta as the engine would have reported it (logprobs None when none came)."""
+    logprobs = [
+        TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+        for lp in msg.logprobs
+    ]
+    return RequestOutput(
+        request_id=msg.request_id,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        finish_reason=FINISH_FROM_PROTO[msg.finish_reason],
+        num_prompt_tokens=msg.usage.prompt_tokens,
+        num_completion_tokens=msg.usage.completion_tokens,
+        num_cached_tokens=msg.usage.cached_tokens,
+        logprobs=logprobs or None,
+    )
+
+
+# ---- model info and cluster status ----
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    msg = pb.ModelInfo(
+        model=info.model,
+        model_type=info.model_type,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        num_layers=info.num_layers,
+        num_routed_experts=info.num_routed_experts,
+        experts_per_token=info.experts_per_token,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+    )
+    if info.eos_token_id is not None:
+        msg.eos_token_id = info.eos_token_id
+    return msg
+
+
+def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model=msg.model,
+        model_type=msg.model_type,
+        vocab_size=msg.vocab_size,
+        max_model_len=msg.max_model_len,
+        num_layers=msg.num_layers,
+        num_routed_experts=msg.num_routed_experts,
+        experts_per_token=msg.experts_per_token,
+        eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
+        kv_bytes_per_token=msg.kv_bytes_per_token,
+    )
+
+
+def cluster_status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
+    """The expert placement summary keeps, per pool, the first MoE layer any rank reports."""
+    msg = pb.ClusterStatus(
+        queue_depth=status.num_queued,
+        queued_prompt_tokens=status.num_queued_tokens,
+        in_flight=status.num_in_flight,
+    )
+    for pool in status.pools:
+        pool_msg = msg.pools.add(name=pool.name)
+        for r in pool.ranks:
+            pool_msg.ranks.add(
+                rank=r.rank,
+                ready=r.ready,
+                num_running=r.num_running,
+                num_waiting=r.num_waiting,
+                kv_used_blocks=r.kv_used_blocks,
+                kv_total_blocks=r.kv_total_blocks,
+                kv_cached_blocks=r.kv_cached_blocks,
+                kv_usage=r.kv_usage,
+                num_reserved=r.num_reserved,
+                block_size=r.block_size,
+            )
+        layers = [layer for r in pool.ranks for layer in r.expert_ids]
+        if not layers:
+            continue
+        placement = msg.placement.add(pool=pool.name, layer=min(layers))
+        for r in pool.ranks:
+            ids = r.expert_ids.get(placement.layer, [])
+            placement.ranks.add(rank=r.rank, num_slots=len(ids), expert_ids=ids)
+    return msg
+
+
+def cluster_status_from_proto(msg: pb.ClusterStatus) -> ClusterStatus:
+    """Inverse of cluster_status_to_proto; each rank's expert_ids holds the summary's layer."""
+    experts = {
+        (p.pool, r.rank): {p.layer: list(r.expert_ids)} for p in msg.placement for r in p.ranks
+    }
+    pools = [
+        PoolStatus(
+            pool.name,
+            [
+                RankStatus(
+                    pool=pool.name,
+                    rank=r.rank,
+                    ready=r.ready,
+                    num_running=r.num_running,
+                    num_waiting=r.num_waiting,
+                    kv_used_blocks=r.kv_used_blocks,
+                    kv_total_blocks=r.kv_total_blocks,
+                    kv_cached_blocks=r.kv_cached_blocks,
+                    num_reserved=r.num_reserved,
+                    block_size=r.block_size,
+                    expert_ids=experts.get((pool.name, r.rank), {}),
+                )
+                for r in pool.ranks
+            ],
+        )
+        for pool in msg.pools
+    ]
+    return ClusterStatus(
+        pools=pools,
+        num_in_flight=msg.in_flight,
+        num_queued=msg.queue_depth,
+        num_queued_tokens=msg.queued_prompt_tokens,
+    )

@@ -1,0 +1,243 @@
+"""LocalBackend: the Backend over one LLMEngine in this process (single-process serving, and the
+router's tests).
+
+The engine is not thread-safe, so one background thread owns it: every engine call happens there.
+Requests, aborts and status queries reach the thread as callables through a thread-safe inbox;
+deltas go back to each request's asyncio queue on the loop that asked (call_soon_threadsafe).
+The thread steps while the engine has work and otherwise sleeps on the inbox (never spins).
+"""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolStatus, RankStatus
+from engine.request import RequestOutput
+from moe.config import ModelConfig
+
+T = TypeVar("T")
+
+
+def build_model_info(
+    name: str, config: ModelConfig, max_model_len: int, dtype: torch.dtype
+) -> ModelInfo:
+    """ModelInfo from a model config, without loading weights (a router on Ray can call this
+    with the pools' config)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return ModelInfo(
+        model=name,
+        model_type=config.model_type,
+        vocab_size=config.vocab_size,
+        max_model_len=max_model_len,
+        num_layers=config.num_hidden_layers,
+        num_routed_experts=config.n_routed_experts,
+        experts_per_token=config.num_experts_per_tok,
+        eos_token_id=config.eos_token_id,
+        kv_bytes_per_token=config.num_hidden_layers * config.kv_cache_width * itemsize,
+    )
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    """Where one request's deltas go (owned by the engine thread)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput deltas, or one exception
+    deadline: float | None
+
+
+class LocalBackend:
+    """Backend over one LLMEngine, driven by a background thread (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine, *, start: bool = True, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.idle_wait_s = idle_wait_s
+        self._model_info = build_model_info(
+            engine.config.model,
+            engine.model.config,
+            engine.max_model_len,
+            engine.config.torch_dtype,
+        )
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # NOTE: touched on the engine thread only
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="local-engine", daemon=True)
+        self.error: BaseException | None = None  # what killed the engine thread, if anything
+        if start:
+            self.start()
+
+    # ---- lifecycle (any thread) ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Abort every request (their streams end with "abort") and stop the engine thread."""
+        self._stopping.set()
+        self._inbox.put(lambda: None)  # wake the thread
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def ready(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    # ---- Backend API (asyncio) ----
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if not self.ready():
+            raise RuntimeError("the local engine thread is not running")
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        self._inbox.put(lambda: self._add(request, _Stream(loop, deltas, request.deadline)))
+        finished = False
+        try:
+            while not finished:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    finished = True  # never added, or the engine died: nothing to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # cancelled, closed early or failed: free the request's blocks
+                self._inbox.put(lambda: self._abort(rid))
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(lambda: self._abort(request_id))
+
+    async def status(self) -> ClusterStatus:
+        if not self._thread.is_alive():  # nobody else touches the engine: read it here
+            return self._status()
+        return await self.call(lambda _: self._status())
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps and return its result (for status
+        queries and tests; fn must be quick and must not keep references to engine state)."""
+        if not self.ready():
+            raise RuntimeError("the local engine thread is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def job() -> None:
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:  # handed to the caller
+                fut.set_exception(e)
+
+        self._inbox.put(job)
+        return await asyncio.wrap_future(fut)
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping.is_set():
+                self._drain(wait=not engine.has_unfinished())
+                self._expire_deadlines()
+                if not engine.has_unfinished():
+                    continue
+                before = engine.num_computed_tokens
+                self._publish(engine.step())
+                if engine.num_computed_tokens == before:  # no progress possible: do not spin
+                    self._drain(wait=True)
+            self._drain(wait=False)  # jobs that raced with the stop; their streams end below
+            for rid in list(self._streams):
+                self._abort(rid)
+        except Exception as e:  # the engine is broken: fail every open stream
+            self.error = e
+            for stream in self._streams.values():
+                _deliver(stream, e)
+            self._streams.clear()
+            raise
+        finally:
+            self._stopping.set()
+
+    def _drain(self, wait: bool) -> None:
+        """Run the inbox's jobs; with wait, first sleep up to idle_wait_s for one to arrive."""
+        try:
+            job = self._inbox.get(timeout=self.idle_wait_s) if wait else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            job()
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, request: GenerateRequest, stream: _Stream) -> None:
+        # NOTE: the request's resolved seed wins, so its tokens do not depend on this engine's
+        # own seed generator (the cluster must give the same tokens).
+        params = dataclasses.replace(request.params, seed=request.seed)
+        try:
+            self.engine.add_request(request.request_id, request.prompt_token_ids, params)
+        except ValueError as e:
+            _deliver(stream, e)
+            return
+        self._streams[request.request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and out is not None:
+            _deliver(stream, out)
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for rid, stream in list(self._streams.items()):
+            if stream.deadline is not None and now >= stream.deadline:
+                self._abort(rid)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            if not _deliver(stream, out):  # its event loop is gone: nobody listens
+                self._abort(out.request_id)
+
+    def _status(self) -> ClusterStatus:
+        engine = self.engine
+        bm, scheduler = engine.block_manager, engine.scheduler
+        moe_layers = engine.model.config.moe_layers
+        expert_ids = {
+            layer: list(moe.experts.expert_ids)
+            for layer, moe in zip(moe_layers, engine.model.moe_layers())
+        }
+        rank = RankStatus(
+            pool="local",
+            rank=0,
+            ready=self.ready(),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_used_blocks=bm.num_used_blocks,
+            kv_total_blocks=bm.num_blocks,
+            kv_cached_blocks=bm.num_cached_blocks,
+            block_size=bm.block_size,
+            expert_ids=expert_ids,
+        )
+        return ClusterStatus(pools=[PoolStatus("local", [rank])], num_in_flight=len(self._streams))
+
+
+def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> bool:
+    """Hand item to the stream's loop; False if that loop is closed."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True

@@ -1,0 +1,248 @@
+"""The router's gRPC edge: the epcluster.v1.Inference service on grpc.aio, plus the standard
+health service (NOT_SERVING until the backend is ready) and server reflection.
+
+Generate: validate (INVALID_ARGUMENT), admit (RESOURCE_EXHAUSTED), stream the backend's deltas.
+Whatever ends the stream early (client cancel, deadline, a backend failure) aborts the request in
+the backend so its KV blocks are freed, and the admission slot is always released.
+"""
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.messages import GenerateRequest
+from router import convert
+from router.admission import Admission, AdmissionConfig
+from router.backend import Backend
+from router.proto import epcluster_pb2 as pb
+from router.proto import epcluster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "epcluster.v1.Inference"
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, backend: Backend, admission: Admission) -> None:
+        self.backend = backend
+        self.admission = admission
+        self.in_flight: set[str] = set()  # request ids with an open stream on this router
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        start = time.monotonic()
+        if not self.backend.ready():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the backend is not ready: retry")
+        remaining = context.time_remaining()
+        deadline = time.time() + remaining if remaining is not None else None
+        try:
+            req = convert.generate_request_from_proto(
+                request, self.backend.tokenizer, self.backend.model_info(), deadline
+            )
+        except ValueError as e:
+            await context.abort(_INVALID, str(e))
+        if req.request_id in self.in_flight:
+            await context.abort(
+                _INVALID, f"request_id {req.request_id!r} is already in flight: use a unique id"
+            )
+        num_tokens = len(req.prompt_token_ids)
+        reason = self.admission.try_admit(num_tokens)
+        if reason is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
+        # NOTE: no await between the duplicate check and here, so two streams cannot both pass.
+        self.in_flight.add(req.request_id)
+        try:
+            error = await self._stream(req, context, start)
+        finally:
+            self.in_flight.discard(req.request_id)
+            self.admission.release(num_tokens)
+        if error is not None:
+            await context.abort(*error)
+
+    async def _stream(
+        self, req: GenerateRequest, context: grpc.aio.ServicerContext, start: float
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Write the backend's deltas; -> the status to fail the RPC with, if any."""
+        finished = sent = written = False
+        try:
+            async with contextlib.aclosing(self.backend.generate(req)) as deltas:
+                async for out in deltas:
+                    ttft = None
+                    if out.token_ids and not sent:
+                        ttft, sent = time.monotonic() - start, True
+                    await context.write(convert.output_to_proto(out, ttft))
+                    written = True
+                    finished = out.finished
+            if not finished:
+                return grpc.StatusCode.INTERNAL, "the backend ended the stream without a finish"
+            if out.finish_reason == "abort" and _past(req.deadline):
+                # The backend enforced the deadline a moment before gRPC did: same status.
+                return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: request aborted"
+        except ValueError as e:  # the backend refused the request as given (before any delta)
+            if written:
+                log.exception("request %s failed", req.request_id)
+                return grpc.StatusCode.INTERNAL, f"internal error: ValueError: {e}"
+            return _INVALID, str(e)
+        except asyncio.CancelledError:  # client cancel or deadline: the finally aborts
+            raise
+        except Exception as e:
+            log.exception("request %s failed", req.request_id)
+            return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+        finally:
+            if not finished:  # free the request's KV blocks, even while being cancelled
+                try:
+                    await asyncio.shield(self.backend.abort(req.request_id))
+                except Exception:
+                    log.exception("aborting request %s failed", req.request_id)
+        return None
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        await _reject_unknown_fields(request, context)
+        return convert.model_info_to_proto(self.backend.model_info())
+
+    async def GetClusterStatus(
+        self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClusterStatus:
+        await _reject_unknown_fields(request, context)
+        status = await self.backend.status()
+        status.num_queued = self.admission.num_requests
+        status.num_queued_tokens = self.admission.num_tokens
+        return convert.cluster_status_to_proto(status)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.time() >= deadline
+
+
+async def _reject_unknown_fields(request: object, context: grpc.aio.ServicerContext) -> None:
+    unknown = convert.unknown_fields(request)
+    if unknown:
+        await context.abort(_INVALID, f"request has fields this server does not know: {unknown}")
+
+
+class RouterServer:
+    """A running router: the grpc.aio server on its own event loop in a background thread, so
+    that sync code (tests, a CLI) and async code can both start and stop it."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        host: str,
+        port: int,
+        admission: AdmissionConfig,
+        ready_poll_s: float,
+    ) -> None:
+        self.backend = backend
+        self.host = host
+        self.ready_poll_s = ready_poll_s
+        self.servicer = InferenceServicer(backend, Admission(admission))
+        self._serving = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="router", daemon=True)
+        self._thread.start()
+        try:
+            self.port = self._run(self._start(host, port))
+        except BaseException:
+            self._close_loop()
+            raise
+
+    @property
+    def address(self) -> str:
+        """host:port, usable as a gRPC target."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until health reports SERVING (the backend is ready); False on timeout."""
+        return self._serving.wait(timeout)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Health goes NOT_SERVING, in-flight streams get `grace` seconds, then are cancelled
+        (which aborts their requests in the backend). Idempotent."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._stop(grace))
+        finally:
+            self._close_loop()
+
+    def __enter__(self) -> "RouterServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- on the server's loop ----
+
+    async def _start(self, host: str, port: int) -> int:
+        # NOTE: without so_reuseport=0, a second server on a taken port would bind silently.
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self._server)
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, _NOT_SERVING)
+        bracketed = f"[{host}]" if ":" in host else host
+        bound = self._server.add_insecure_port(f"{bracketed}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"cannot bind the router to {bracketed}:{port}")
+        await self._server.start()
+        self._poll = asyncio.create_task(self._poll_ready())
+        return bound
+
+    async def _poll_ready(self) -> None:
+        """Mirror backend.ready() into the health service (both ways: a backend that dies
+        goes back to NOT_SERVING)."""
+        serving = False
+        while True:
+            ready = bool(self.backend.ready())
+            if ready != serving:
+                serving = ready
+                status = _SERVING if ready else _NOT_SERVING
+                for service in ("", SERVICE_NAME):
+                    await self._health.set(service, status)
+                (self._serving.set if ready else self._serving.clear)()
+            await asyncio.sleep(self.ready_poll_s)
+
+    async def _stop(self, grace: float | None) -> None:
+        self._poll.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._poll
+        self._serving.clear()
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+
+    def _run(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+def serve(
+    backend: Backend,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    *,
+    admission: AdmissionConfig | None = None,
+    ready_poll_s: float = 0.1,
+) -> RouterServer:
+    """Start the router on host:port (0 picks a free port: see .port) and return it. Health is
+    NOT_SERVING until backend.ready(); `wait_ready()` blocks until then."""
+    return RouterServer(backend, host, port, admission or AdmissionConfig(), ready_poll_s)
