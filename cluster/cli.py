@@ -1,68 +1,225 @@
-"""The `epcluster` command line."""
+"""The `epcluster` command line.
+
+epcluster serve [--config FILE] [--model M] [--prefill-ranks N] [--decode-ranks N] ...
+epcluster generate --prompt TEXT [--target HOST:PORT | --model M] [sampling flags] [--json]
+epcluster status --target HOST:PORT
+"""
 
 import argparse
 import json
+import logging
+import os
+import signal
 import sys
+import threading
 
 import torch
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+def _sampling(args: argparse.Namespace):
+    from engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def _print_result(
+    args: argparse.Namespace,
+    text: str,
+    token_ids: list[int],
+    finish: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> None:
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "token_ids": token_ids,
+                    "finish_reason": finish,
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                }
+            )
+        )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    params = _sampling(args)
+    if args.target:
+        return _generate_remote(args, params)
+    from engine import LLM
 
     torch.set_num_threads(args.threads)
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
+    llm = LLM(args.model)
+    if args.json:
+        out = llm.generate(args.prompt, params)[0]
+        _print_result(
+            args,
+            out.text,
+            out.token_ids,
+            out.finish_reason,
+            out.num_prompt_tokens,
+            out.num_completion_tokens,
         )
-        llm = LLM(args.model)
-        if args.json:
-            out = llm.generate(args.prompt, params)[0]
-            print(
-                json.dumps(
-                    {
-                        "text": out.text,
-                        "token_ids": out.token_ids,
-                        "finish_reason": out.finish_reason,
-                        "prompt_tokens": out.num_prompt_tokens,
-                        "completion_tokens": out.num_completion_tokens,
-                    }
-                )
+        return 0
+    for delta in llm.stream(args.prompt, params):
+        print(delta.text, end="", flush=True)
+    print()
+    return 0
+
+
+def _generate_remote(args: argparse.Namespace, params) -> int:
+    from router.client import InferenceClient
+    from router.convert import output_from_proto
+
+    client = InferenceClient(args.target)
+    try:
+        text, ids, last = "", [], None
+        for response in client.generate(args.prompt, params, timeout=args.timeout):
+            last = output_from_proto(response)
+            text += last.text
+            ids += last.token_ids
+            if not args.json:
+                print(last.text, end="", flush=True)
+        if args.json and last is not None:
+            _print_result(
+                args,
+                text,
+                ids,
+                last.finish_reason,
+                last.num_prompt_tokens,
+                last.num_completion_tokens,
             )
-            return 0
-        for delta in llm.stream(args.prompt, params):
-            print(delta.text, end="", flush=True)
-        print()
-    except ValueError as e:
-        print(f"epcluster: {e}", file=sys.stderr)
-        return 2
+        elif not args.json:
+            print()
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from router.client import InferenceClient
+
+    client = InferenceClient(args.target)
+    try:
+        status = client.cluster_status()
+        info = client.model_info()
+        print(
+            f"model {info.model} ({info.model_type}), health {client.health()}, "
+            f"in flight {status.num_in_flight}, queued {status.num_queued}"
+        )
+        for pool in status.pools:
+            for r in pool.ranks:
+                print(
+                    f"  {pool.name:7} rank {r.rank}: {'ready' if r.ready else 'NOT READY'}, "
+                    f"running {r.num_running}, waiting {r.num_waiting}, KV {r.kv_used_blocks}/"
+                    f"{r.kv_total_blocks} blocks ({100 * r.kv_usage:.0f}%), "
+                    f"{len(next(iter(r.expert_ids.values()), []))} expert slots"
+                )
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig.load(
+        args.config,
+        model=args.model,
+        prefill_ranks=args.prefill_ranks,
+        decode_ranks=args.decode_ranks,
+        host=args.host,
+        port=args.port,
+        ray_address=args.address,
+        kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size,
+    )
+    if config.ray_address is None:
+        # A local Ray stays on loopback; Ray reads this when it is first imported.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from cluster.launcher import Cluster
+
+    print(
+        f"epcluster: starting {config.model}: prefill {config.prefill.num_ranks} ranks, "
+        f"decode {config.decode.num_ranks} ranks, Ray "
+        f"{config.ray_address or 'local'}",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(config).start()
+    try:
+        print(
+            f"epcluster: ready on {cluster.address} (gRPC epcluster.v1.Inference; "
+            f"try: epcluster generate --target {cluster.address} --prompt hello)",
+            flush=True,
+        )
+        stop.wait()
+        print("epcluster: shutting down", flush=True)
+    finally:
+        cluster.shutdown()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="epcluster", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="epcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a continuation in-process")
-    gen.add_argument("--model", default="tiny", help="preset (tiny, small) or checkpoint directory")
-    gen.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    _add_sampling_args(gen)
+
+    serve = sub.add_parser("serve", help="start Ray pools and the gRPC router")
+    serve.add_argument("--config", help="YAML file (see deploy/config.example.yaml)")
+    serve.add_argument("--model", help="preset (tiny, small) or checkpoint directory")
+    serve.add_argument("--prefill-ranks", type=int)
+    serve.add_argument("--decode-ranks", type=int)
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--address", help="join this Ray cluster (auto, or host:port)")
+    serve.add_argument("--kv-cache-bytes", type=int, help="KV cache budget per rank")
+    serve.add_argument("--block-size", type=int)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate a continuation (in-process or via --target)")
+    gen.add_argument("--target", help="a running router, HOST:PORT")
+    gen.add_argument("--model", default="tiny", help="in-process: preset or checkpoint dir")
+    gen.add_argument("--threads", type=int, default=2, help="in-process torch CPU threads")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--timeout", type=float, default=None, help="seconds (a gRPC deadline)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
+
+    status = sub.add_parser("status", help="pools, ranks and KV usage of a running router")
+    status.add_argument("--target", default="127.0.0.1:50051")
+    status.set_defaults(func=cmd_status)
+
     args = parser.parse_args(argv)
-    return args.func(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input or config: say what to fix
+        print(f"epcluster: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        import grpc
+
+        if isinstance(e, grpc.RpcError):
+            print(f"epcluster: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

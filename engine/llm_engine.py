@@ -49,6 +49,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}
+        self.exported: dict[str, KVPayload] = {}  # prefill side: KV of finished prompts
         # decode side: request id -> (block table, cached prompt tokens, deadline)
         self.reserved: dict[str, tuple[list[int], int, float]] = {}
         self._rng = random.Random(config.seed)
@@ -229,7 +230,7 @@ class LLMEngine:
             j += 1
             reason = self._finish_reason(req)
             if reason is None and req.prefill_only:
-                req.kv_export = KVPayload(
+                self.exported[req.request_id] = KVPayload(
                     req.request_id,
                     export_kv(self.runner.kv_caches, req.block_table, len(req.prompt_token_ids)),
                     req.num_cached_tokens,

@@ -3,7 +3,6 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.kv_transfer import KVPayload
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -51,7 +50,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
     num_preemptions: int = 0
     prefill_only: bool = False  # a prefill rank's request: stop after the first token
-    kv_export: "KVPayload | None" = None  # set when a prefill-only request finishes
     finish_reason: str | None = None
     text: str = ""  # detokenized output, stop strings removed
     num_text_sent: int = 0

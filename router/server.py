@@ -178,6 +178,10 @@ class RouterServer:
         finally:
             self._close_loop()
 
+    def call(self, coro: object) -> object:
+        """Run a coroutine on the server's event loop (e.g. starting a backend) and wait."""
+        return self._run(coro)
+
     def __enter__(self) -> "RouterServer":
         return self
 

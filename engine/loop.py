@@ -1,0 +1,110 @@
+"""EngineLoop: an engine stepping on its own thread, fed through a thread-safe inbox.
+
+A rank's actor (or any server) runs the engine here: callers submit functions that run on the
+engine thread between steps (the engine is not thread-safe), and every step's outputs go to a
+callback. An idle loop blocks on its inbox with a short timeout instead of spinning; in an
+expert-parallel pool it still reaches the step's agreement all-reduce once per timeout, because
+the other ranks may have work.
+"""
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        idle_wait_s: float = 0.02,
+    ) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.error: BaseException | None = None
+        self.num_steps = 0
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread before its next step; -> a future of the result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RuntimeError(f"the engine loop is not running ({self.error!r})"))
+            return future
+        self._inbox.put((fn, future))
+        return future
+
+    def _busy(self) -> bool:
+        e = self.engine
+        return e.has_unfinished() or (e.ep_size > 1 and e.pool_has_unfinished)
+
+    def _drain(self, wait: float) -> None:
+        try:
+            item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as e:  # the caller gets it; the loop goes on
+                    future.set_exception(e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(0.0 if self._busy() else self.idle_wait_s)
+                if self._stop.is_set():
+                    break
+                self.engine.expire_reservations(time.monotonic())
+                if self.engine.ep_size > 1 or self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    self.num_steps += 1
+                    if outputs:
+                        self.on_outputs(outputs)
+        except BaseException as e:  # a dead engine must be visible, not silent
+            self.error = e
+            log.exception("engine loop died")
+            self._stop.set()
+        finally:
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and not item[1].done():
+                item[1].set_exception(RuntimeError(f"the engine loop stopped ({self.error!r})"))

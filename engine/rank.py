@@ -1,0 +1,126 @@
+"""What a prefill or a decode rank has in common, without Ray: the pool's torch.distributed group,
+an expert-parallel engine running on an EngineLoop thread, and the bridge from that thread to
+the asyncio loop the rank's calls arrive on. Ray actors are thin shells around subclasses."""
+
+import asyncio
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.ep import build_ep_engine
+from engine.llm_engine import LLMEngine
+from engine.loop import EngineLoop
+from engine.messages import RankStatus
+from engine.request import RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class RankConfig:
+    pool: str  # "prefill" | "decode"
+    rank: int
+    num_ranks: int
+    engine: EngineConfig
+    torch_threads: int = 1  # CPU ranks share the machine's cores
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.pool not in ("prefill", "decode"):
+            raise ValueError(f"pool must be prefill or decode, got {self.pool!r}")
+        if not 0 <= self.rank < self.num_ranks:
+            raise ValueError(f"rank {self.rank} is outside a pool of {self.num_ranks}")
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl" if self.engine.device.startswith("cuda") else "gloo"
+
+
+class Rank:
+    def __init__(self, config: RankConfig) -> None:
+        self.config = config
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self._aio: asyncio.AbstractEventLoop | None = None
+
+    # ---- start-up ----
+
+    async def join(self, master_addr: str, master_port: int) -> RankStatus:
+        """Join the pool's process group (every rank of the pool calls this at once), load this
+        rank's experts, and start stepping."""
+        self._aio = asyncio.get_running_loop()
+        await asyncio.to_thread(self._join, master_addr, master_port)
+        return self.status()
+
+    def _join(self, master_addr: str, master_port: int) -> None:
+        c = self.config
+        torch.set_num_threads(c.torch_threads)
+        if c.num_ranks > 1:
+            init_method = f"tcp://{master_addr}:{master_port}"
+            if master_addr.startswith("127."):
+                # One machine: a file store (a TCP store would listen on every interface) and
+                # gloo on loopback.
+                init_method = f"file://{tempfile.gettempdir()}/epcluster-{c.pool}-{master_port}"
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group(
+                c.dist_backend,
+                init_method=init_method,
+                rank=c.rank,
+                world_size=c.num_ranks,
+                timeout=timedelta(seconds=c.dist_timeout_s),
+            )
+        self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks)
+        self.loop = EngineLoop(self.engine, self._outputs_from_engine_thread).start()
+
+    def stop(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+
+    # ---- calls from the asyncio side ----
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread and await its result."""
+        if self.loop is None:
+            raise RuntimeError(f"{self.config.pool} rank {self.config.rank} has not started")
+        return await asyncio.wrap_future(self.loop.submit(fn))
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(lambda e: e.abort_request(request_id))
+
+    def ready(self) -> bool:
+        return self.loop is not None and self.loop.alive
+
+    def status(self) -> RankStatus:
+        c, e = self.config, self.engine
+        if e is None:
+            return RankStatus(c.pool, c.rank, False, 0, 0, 0, 0)
+        # Plain reads of counters another thread updates: a snapshot, good enough for routing.
+        bm = e.block_manager
+        return RankStatus(
+            c.pool,
+            c.rank,
+            self.ready(),
+            len(e.scheduler.running),
+            len(e.scheduler.waiting),
+            bm.num_used_blocks,
+            bm.num_blocks,
+            bm.num_cached_blocks,
+            len(e.reserved),
+            c.engine.block_size,
+            {i: list(m.experts.expert_ids) for i, m in enumerate(e.model.moe_layers())},
+        )
+
+    # ---- outputs: engine thread -> asyncio loop ----
+
+    def _outputs_from_engine_thread(self, outputs: list[RequestOutput]) -> None:
+        assert self._aio is not None
+        self._aio.call_soon_threadsafe(self.on_outputs, outputs)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the asyncio loop with one step's deltas; subclasses route them."""
+        raise NotImplementedError

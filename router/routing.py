@@ -1,0 +1,44 @@
+"""Where a request goes: pure functions over the ranks' load snapshots.
+
+Decode: the rank with the most free KV blocks (net of what this router has just sent there),
+then the fewest running requests; it must fit the prompt.
+Prefill: prefix affinity bounded by load. Rendezvous hashing of the prompt's first full blocks
+gives every prefill rank a score; requests that share those blocks rank the ranks the same way,
+so they meet the same prefix cache. Of the two best-scoring ranks (power of two choices) the
+first is taken unless it is busier than the second by more than `max_imbalance` tokens.
+"""
+
+import hashlib
+
+from engine.block_manager import block_hashes
+from engine.messages import RankStatus
+
+
+def decode_preference(
+    ranks: list[RankStatus], pending_blocks: list[int], num_blocks: int
+) -> list[int]:
+    """-> indices of the ready ranks that could hold num_blocks more, best first."""
+    free = [r.kv_free_blocks - pending for r, pending in zip(ranks, pending_blocks)]
+    fits = [i for i, r in enumerate(ranks) if r.ready and free[i] >= num_blocks]
+    return sorted(fits, key=lambda i: (-free[i], ranks[i].num_running + ranks[i].num_waiting, i))
+
+
+def prefix_key(prompt_token_ids: list[int], block_size: int, num_blocks: int = 1) -> bytes:
+    """The hash of the prompt's first num_blocks full blocks (of the whole prompt if shorter)."""
+    hashes = block_hashes(prompt_token_ids[: block_size * num_blocks], block_size)
+    if hashes:
+        return hashes[-1]
+    return hashlib.blake2b(repr(prompt_token_ids).encode(), digest_size=16).digest()
+
+
+def prefill_choice(key: bytes, loads: list[int], max_imbalance: int) -> int:
+    """Rendezvous hashing over the ranks, bounded by load (queued prompt tokens per rank)."""
+    assert loads, "no prefill ranks"
+    scores = [
+        hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=8).digest()
+        for i in range(len(loads))
+    ]
+    first, *rest = sorted(range(len(loads)), key=lambda i: scores[i], reverse=True)
+    if rest and loads[first] - loads[rest[0]] > max_imbalance:
+        return rest[0]
+    return first
