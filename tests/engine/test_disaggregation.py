@@ -53,8 +53,8 @@ def test_prefill_then_decode_equals_one_engine():
         rid = str(i)
         assert decode.reserve(rid, p, deadline=time.monotonic() + 30)
         req = payloads[rid]
-        assert req.kv_export.num_tokens == len(p)
-        decode.start_prefilled(rid, p, sp, req.seed, firsts[rid], req.kv_export)
+        assert prefill.exported[rid].num_tokens == len(p)
+        decode.start_prefilled(rid, p, sp, req.seed, firsts[rid], prefill.exported[rid])
         outs[rid] = [firsts[rid]]
     run_until_done(decode, outs)
     for i, exp in enumerate(expected):
@@ -77,14 +77,14 @@ def test_failed_import_and_expired_reservation_free_blocks(monkeypatch):
     assert decode.block_manager.num_used_blocks == 7
     monkeypatch.setenv(FAIL_IMPORT_ENV, "1")
     with pytest.raises(KVTransferError):
-        decode.start_prefilled("a", prompt, sp, req.seed, first, req.kv_export)
+        decode.start_prefilled("a", prompt, sp, req.seed, first, prefill.exported["a"])
     decode.assert_no_leaks()
     monkeypatch.delenv(FAIL_IMPORT_ENV)
     # a reservation whose KV never comes is released at its deadline
     assert decode.reserve("b", prompt, deadline=time.monotonic() - 1)
     assert decode.expire_reservations(time.monotonic()) == ["b"]
     with pytest.raises(KVTransferError, match="no reservation"):
-        decode.start_prefilled("b", prompt, sp, req.seed, first, req.kv_export)
+        decode.start_prefilled("b", prompt, sp, req.seed, first, prefill.exported["a"])
     decode.assert_no_leaks()
     # abort releases a reservation too
     assert decode.reserve("c", prompt, deadline=time.monotonic() + 30)

@@ -1,0 +1,31 @@
+"""A real local Ray cluster: 2 prefill ranks and 2 decode ranks on the tiny model, with the
+gRPC router on 127.0.0.1, shared by the tests of a module."""
+
+import time
+
+from cluster.config import ClusterConfig
+from cluster.launcher import Cluster
+from router.client import InferenceClient
+
+
+def wait_quiet(client: InferenceClient, timeout: float = 20.0):
+    """Until no rank holds a referenced block, a reservation or a request; -> the status."""
+    end = time.monotonic() + timeout
+    while True:
+        status = client.cluster_status()
+        busy = [
+            (p.name, r.rank, r.kv_used_blocks, r.num_reserved, r.num_running, r.num_waiting)
+            for p in status.pools
+            for r in p.ranks
+            if r.kv_used_blocks or r.num_reserved or r.num_running or r.num_waiting
+        ]
+        if not busy and status.num_in_flight == 0 and status.num_queued == 0:
+            return status
+        if time.monotonic() > end:
+            raise AssertionError(f"ranks still busy: {busy}, in flight {status.num_in_flight}")
+        time.sleep(0.05)
+
+
+def start_cluster(**overrides) -> Cluster:
+    config = ClusterConfig.load(None, **{"port": 0, **overrides})
+    return Cluster(config).start()
