@@ -5,18 +5,21 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= The expert-parallel cluster says
 
-.PHONY: install run test lint proto clean
+.PHONY: install run generate test lint proto clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard */__init__.py)  # a new package needs a reinstall
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-run: install
+run: install  # the embedded default: tiny model, 2 prefill + 2 decode ranks, gRPC on :50051
+	$(VENV)/bin/epcluster serve
+
+generate: install  # offline, in-process generation
 	$(VENV)/bin/epcluster generate --model tiny --prompt "$(PROMPT)" --max-tokens 32
 
 test: install
