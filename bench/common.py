@@ -25,7 +25,9 @@ def workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, i
 
 def record(name: str, result: dict) -> Path:
     """Write bench/results/<name>.json with the command line and the machine."""
-    result = dict(result, command=" ".join([Path(sys.executable).name, *sys.argv]),
+    script = Path(sys.argv[0])
+    module = f"-m bench.{script.stem}" if script.parent.name == "bench" else str(script)
+    result = dict(result, command=" ".join([".venv/bin/python", module, *sys.argv[1:]]),
                   machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads",
                   date=time.strftime("%Y-%m-%d"))
     RESULTS.mkdir(parents=True, exist_ok=True)
