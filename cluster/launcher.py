@@ -40,7 +40,7 @@ class Cluster:
         c = self.config
         try:
             started = time.monotonic()
-            self._start_ray()
+            self.start_ray()
             path = resolve_model_path(c.model)  # presets are written before the ranks race
             mc = ModelConfig.from_file(path)
             self.pools = {name: Pool(name, c) for name in ("prefill", "decode")}
@@ -73,7 +73,8 @@ class Cluster:
         await asyncio.gather(*(pool.start() for pool in self.pools.values()))
         await self.backend.start()
 
-    def _start_ray(self) -> None:
+    def start_ray(self) -> None:
+        """Start a local Ray (or join config.ray_address); start() does this first."""
         if ray.is_initialized():
             return
         c = self.config

@@ -26,6 +26,9 @@ def wait_quiet(client: InferenceClient, timeout: float = 20.0):
         time.sleep(0.05)
 
 
+def make_cluster(**overrides) -> Cluster:
+    return Cluster(ClusterConfig.load(None, **{"port": 0, **overrides}))
+
+
 def start_cluster(**overrides) -> Cluster:
-    config = ClusterConfig.load(None, **{"port": 0, **overrides})
-    return Cluster(config).start()
+    return make_cluster(**overrides).start()

@@ -11,7 +11,7 @@ import pytest
 from engine import SamplingParams
 from engine.kv_transfer import FAIL_IMPORT_ENV
 from router.client import InferenceClient
-from tests.cluster.conftest import start_cluster, wait_quiet
+from tests.cluster.conftest import make_cluster, wait_quiet
 from tests.ep_harness import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -51,12 +51,13 @@ def test_startup_health_failed_transfer_and_clean_shutdown():
     port = free_port()
     seen: list = []
     stop = threading.Event()
+    cluster = make_cluster(port=port, prefill_ranks=1, decode_ranks=1, env={FAIL_IMPORT_ENV: "1"})
+    # NOTE: Ray first: its processes must not be forked while another thread is inside gRPC.
+    cluster.start_ray()
     watcher = threading.Thread(target=watch_health, args=(port, seen, stop))
     watcher.start()
     try:
-        cluster = start_cluster(
-            port=port, prefill_ranks=1, decode_ranks=1, env={FAIL_IMPORT_ENV: "1"}
-        )
+        cluster.start()
     finally:
         watcher.join(30)
         stop.set()
