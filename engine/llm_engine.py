@@ -37,6 +37,7 @@ class LLMEngine:
         self.config = config
         self.ep_group, self.ep_size = ep_group, ep_size
         self.pool_has_unfinished = False  # from the last agreement: any rank with requests
+        self.last_step_tokens = 0  # tokens the last step ran (the pool's largest batch, in EP)
         self.model = model or load_model(path, dtype=config.torch_dtype, device=config.device)
         mc = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(
@@ -195,6 +196,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.last_step_tokens = sum(batch.num_new_tokens)
         if self.ep_size == 1:
             if batch.is_empty:
                 return []
@@ -205,6 +207,7 @@ class LLMEngine:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ep_group)
         max_tokens, max_unfinished = flags.tolist()
         self.pool_has_unfinished = max_unfinished > 0
+        self.last_step_tokens = max_tokens
         if max_tokens == 0:
             return []
         mode = self.config.two_batch_overlap

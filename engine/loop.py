@@ -93,6 +93,8 @@ class EngineLoop:
                     self.num_steps += 1
                     if outputs:
                         self.on_outputs(outputs)
+                    if self.engine.last_step_tokens == 0:  # nothing ran anywhere: do not spin
+                        self._drain(self.idle_wait_s)
         except BaseException as e:  # a dead engine must be visible, not silent
             self.error = e
             log.exception("engine loop died")

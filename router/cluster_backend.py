@@ -171,9 +171,11 @@ class ClusterBackend:
                 yield self._aborted(request)
                 return  # not done: the finally aborts on both ranks
             first, kv = result
-            yield first
-            if first.finished:
+            if first.finished:  # done on the prefill rank: release the decode reservation
                 done = True
+                await asyncio.shield(self.decode[decode_idx].abort(rid))
+            yield first
+            if done:
                 return
             try:
                 await self.decode[decode_idx].start(request, first, kv, self.router_id)
@@ -195,8 +197,6 @@ class ClusterBackend:
             self._queues.pop(rid, None)
             if not done:  # cancelled, failed or aborted: free the blocks on both ranks
                 await asyncio.shield(self._abort_on_ranks(rid, prefill_idx, decode_idx))
-            elif decode_idx is not None:
-                await asyncio.shield(self.decode[decode_idx].abort(rid))  # frees a reservation
 
     async def _reserve(self, request: GenerateRequest) -> int:
         """Reserve the prompt's blocks on the best decode rank with room, waiting for room up

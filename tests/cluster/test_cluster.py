@@ -179,3 +179,10 @@ def test_after_everything_no_rank_holds_a_block(client):
         for r in pool.ranks:
             assert (r.kv_used_blocks, r.num_reserved, r.num_running) == (0, 0, 0)
     assert time.time() > 0
+
+
+def test_a_request_done_on_the_prefill_rank_releases_its_decode_reservation(client):
+    out = client.complete(list(range(5, 40)), SamplingParams(max_tokens=1, temperature=0))
+    assert (out.num_completion_tokens, out.finish_reason) == (1, "length")
+    status = wait_quiet(client)
+    assert all(r.num_reserved == 0 for p in status.pools for r in p.ranks)
