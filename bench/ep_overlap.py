@@ -66,6 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{ADDR[0]}:{args.port}", rank=args.rank,
                             world_size=2)
     config = EngineConfig(model=args.model, two_batch_overlap="off", kv_cache_bytes=2**30,
+                          max_num_seqs=args.batch,
                           max_num_batched_tokens=4096)
     engine = build_ep_engine(config, None, args.rank, 2)
     gen = torch.Generator().manual_seed(args.rank)
