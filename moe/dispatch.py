@@ -121,6 +121,7 @@ class AllToAllDispatcher:
         layer_pos: int,
         rank: int,
         async_op: bool = True,
+        counts_group: dist.ProcessGroup | None = None,
     ) -> None:
         assert 0 <= layer_pos < placement.num_layers, (layer_pos, placement.num_layers)
         assert 0 <= rank < placement.num_ranks, (rank, placement.num_ranks)
@@ -131,6 +132,9 @@ class AllToAllDispatcher:
             )
             assert dist.get_rank(group) == rank, (dist.get_rank(group), rank)
         self.group = group
+        # NOTE: the small count exchange gets its own group, so that it does not queue behind
+        # another micro-batch's rows in flight on `group` (two-batch overlap).
+        self.counts_group = counts_group if counts_group is not None else group
         self.placement = placement
         self._device_placement = placement  # a copy on the device of the last batch
         self.layer_pos = layer_pos
@@ -172,7 +176,7 @@ class AllToAllDispatcher:
         self.tokens_per_slot += send_counts
         recv_counts = torch.empty_like(send_counts)  # [R * S_r]: from (source rank, my slot)
         counts_work = dist.all_to_all_single(
-            recv_counts, send_counts, group=self.group, async_op=async_op
+            recv_counts, send_counts, group=self.counts_group, async_op=async_op
         )
         handle = DispatchHandle(
             topk_weights=topk_weights,
@@ -268,6 +272,9 @@ def install_expert_parallel(
             f"placement layers {placement.layers} != the model's MoE layers {tuple(moe_layers)}"
         )
     expected = placement.rank_experts(rank)
+    counts_group = None
+    if dist.is_initialized():  # every rank of the pool gets here once, in the same order
+        counts_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
     dispatchers = {}
     for pos, (layer, moe) in enumerate(moe_layers.items()):
         if moe.experts.expert_ids != expected[layer]:
@@ -275,7 +282,7 @@ def install_expert_parallel(
                 f"layer {layer}: rank {rank} holds experts {moe.experts.expert_ids}, "
                 f"the placement puts {expected[layer]} there"
             )
-        dispatcher = AllToAllDispatcher(group, placement, pos, rank, async_op)
+        dispatcher = AllToAllDispatcher(group, placement, pos, rank, async_op, counts_group)
         moe.routed_fn = dispatcher.routed_fn
         moe.dispatcher = dispatcher  # for callers that drive dispatch/combine themselves
         dispatchers[layer] = dispatcher

@@ -2,10 +2,12 @@
 waits for its all-to-all (dispatch or combine), the other computes.
 
 Each micro-batch's forward is a generator that yields right after it starts an async
-all-to-all (the dispatch counts, the dispatch rows, the combine); `run_interleaved` advances the
-generators in turn. Per MoE layer the collectives go out in the same order on every rank (counts
-0, counts 1, rows 0, rows 1, combine 0, combine 1), so ranks never deadlock, whatever their batch
-sizes (an empty micro-batch still joins every collective).
+all-to-all (the dispatch rows, then the combine); `run_interleaved` advances the generators in
+turn, so one micro-batch's attention and experts run while the other's rows travel. Per MoE layer
+the collectives go out in the same order on every rank (counts 0, rows 0, counts 1, rows 1,
+combine 0, combine 1), so ranks never deadlock, whatever their batch sizes (an empty micro-batch
+still joins every collective). The counts travel on a group of their own, so they do not queue
+behind the other micro-batch's rows.
 
 Legend: T tokens of a micro-batch, H hidden.
 """
@@ -39,8 +41,7 @@ def layer_stages(
         return x + mlp(h)
     topk_weights, topk_idx = mlp.gate(h)  # [T, K]
     handle = dispatcher.dispatch(h, topk_idx, topk_weights, async_op=True)  # counts in flight
-    yield
-    handle.launch_rows()
+    handle.launch_rows()  # the other micro-batch's attention runs while the rows travel
     shared = mlp.shared_experts(h) if mlp.shared_experts is not None else None  # rows in flight
     yield
     handle.wait()
