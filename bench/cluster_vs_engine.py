@@ -17,19 +17,8 @@ import torch
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # local Ray on loopback
 
-from bench.common import record, workload  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-
-
-def run_engine(model: str, requests) -> float:
-    llm = LLM(model)
-    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2))
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
-    start = time.perf_counter()
-    outs = llm.generate([p for p, _ in requests], params)
-    elapsed = time.perf_counter() - start
-    assert [len(o.token_ids) for o in outs] == [n for _, n in requests]
-    return elapsed
+from bench.common import record, run_engine, workload  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 
 
 def run_cluster(model: str, requests, prefill: int, decode: int) -> tuple[float, dict]:

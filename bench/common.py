@@ -34,3 +34,18 @@ def record(name: str, result: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def run_engine(model: str, requests: list[tuple[list[int], int]], **options: object) -> float:
+    """Seconds for the in-process engine to generate every request (greedy, EOS ignored, all
+    submitted at once), after a warm-up; checks each got its tokens."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, **options)
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2))  # warm-up
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params)
+    elapsed = time.perf_counter() - start
+    assert [len(o.token_ids) for o in outs] == [n for _, n in requests]
+    return elapsed

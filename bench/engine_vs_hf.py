@@ -13,20 +13,8 @@ import time
 
 import torch
 
-from bench.common import record, workload
-from engine import LLM, SamplingParams
+from bench.common import record, run_engine, workload
 from moe import ModelConfig, resolve_model_path
-
-
-def run_engine(path: str, requests, threads: int, kv_bytes: int) -> float:
-    llm = LLM(path, kv_cache_bytes=kv_bytes)
-    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2))  # warm-up
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
-    start = time.perf_counter()
-    outs = llm.generate([p for p, _ in requests], params)
-    elapsed = time.perf_counter() - start
-    assert [len(o.token_ids) for o in outs] == [n for _, n in requests]
-    return elapsed
 
 
 def run_hf(path: str, requests, batch: int) -> float:
@@ -67,7 +55,7 @@ def main() -> None:
     vocab = ModelConfig.from_file(path).vocab_size
     requests = workload(args.num_requests, (16, 512), (16, 256), vocab, args.seed)
     out_tokens = sum(n for _, n in requests)
-    engine_s = run_engine(path, requests, args.threads, int(args.kv_cache_gb * 2**30))
+    engine_s = run_engine(path, requests, kv_cache_bytes=int(args.kv_cache_gb * 2**30))
     print(f"engine: {out_tokens} tokens in {engine_s:.1f} s = {out_tokens / engine_s:.1f} tok/s")
     hf_s = run_hf(path, requests, args.hf_batch)
     print(f"transformers: {out_tokens} tokens in {hf_s:.1f} s = {out_tokens / hf_s:.1f} tok/s")

@@ -2,6 +2,7 @@
 an expert-parallel engine running on an EngineLoop thread, and the bridge from that thread to
 the asyncio loop the rank's calls arrive on. Ray actors are thin shells around subclasses."""
 
+import abc
 import asyncio
 import os
 import tempfile
@@ -41,7 +42,7 @@ class RankConfig:
         return "nccl" if self.engine.device.startswith("cuda") else "gloo"
 
 
-class Rank:
+class Rank(abc.ABC):
     def __init__(self, config: RankConfig) -> None:
         self.config = config
         self.engine: LLMEngine | None = None
@@ -121,6 +122,6 @@ class Rank:
         assert self._aio is not None
         self._aio.call_soon_threadsafe(self.on_outputs, outputs)
 
+    @abc.abstractmethod
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Runs on the asyncio loop with one step's deltas; subclasses route them."""
-        raise NotImplementedError
