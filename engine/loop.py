@@ -27,9 +27,15 @@ class EngineLoop:
         engine: LLMEngine,
         on_outputs: Callable[[list[RequestOutput]], None],
         idle_wait_s: float = 0.02,
+        on_tick: Callable[[], None] | None = None,
+        on_stop: Callable[[BaseException | None], None] | None = None,
     ) -> None:
+        """on_outputs: each step's deltas; on_tick: runs before every step (deadline checks);
+        on_stop: runs last on the engine thread, with what killed the loop (None on stop())."""
         self.engine = engine
         self.on_outputs = on_outputs
+        self.on_tick = on_tick
+        self.on_stop = on_stop
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -88,6 +94,8 @@ class EngineLoop:
                 if self._stop.is_set():
                     break
                 self.engine.expire_reservations(time.monotonic())
+                if self.on_tick is not None:
+                    self.on_tick()
                 if self.engine.ep_size > 1 or self.engine.has_unfinished():
                     outputs = self.engine.step()
                     self.num_steps += 1
@@ -100,7 +108,10 @@ class EngineLoop:
             log.exception("engine loop died")
             self._stop.set()
         finally:
+            self._drain(0.0)  # calls that raced with stop() still run (aborts, last words)
             self._fail_pending()
+            if self.on_stop is not None:
+                self.on_stop(self.error)
 
     def _fail_pending(self) -> None:
         while True:

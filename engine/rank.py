@@ -113,7 +113,10 @@ class Rank(abc.ABC):
             bm.num_cached_blocks,
             len(e.reserved),
             c.engine.block_size,
-            {i: list(m.experts.expert_ids) for i, m in enumerate(e.model.moe_layers())},
+            {
+                layer: list(m.experts.expert_ids)
+                for layer, m in zip(e.model.config.moe_layers, e.model.moe_layers())
+            },
         )
 
     # ---- outputs: engine thread -> asyncio loop ----

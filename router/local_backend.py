@@ -1,17 +1,14 @@
 """LocalBackend: the Backend over one LLMEngine in this process (single-process serving, and the
 router's tests).
 
-The engine is not thread-safe, so one background thread owns it: every engine call happens there.
-Requests, aborts and status queries reach the thread as callables through a thread-safe inbox;
-deltas go back to each request's asyncio queue on the loop that asked (call_soon_threadsafe).
-The thread steps while the engine has work and otherwise sleeps on the inbox (never spins).
+The engine is not thread-safe, so an EngineLoop thread owns it: every engine call happens there.
+Requests, aborts and status queries reach it as callables through its inbox; deltas go back to
+each request's asyncio queue on the loop that asked (call_soon_threadsafe). The thread steps
+while the engine has work and otherwise sleeps on the inbox (never spins).
 """
 
 import asyncio
-import concurrent.futures
 import dataclasses
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -19,6 +16,7 @@ from typing import TypeVar
 import torch
 
 from engine.llm_engine import LLMEngine
+from engine.loop import EngineLoop
 from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolStatus, RankStatus
 from engine.request import RequestOutput
 from moe.config import ModelConfig
@@ -55,40 +53,40 @@ class _Stream:
 
 
 class LocalBackend:
-    """Backend over one LLMEngine, driven by a background thread (see the module docstring)."""
+    """Backend over one LLMEngine, stepped by an EngineLoop (see the module docstring)."""
 
     def __init__(self, engine: LLMEngine, *, start: bool = True, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.idle_wait_s = idle_wait_s
         self._model_info = build_model_info(
             engine.config.model,
             engine.model.config,
             engine.max_model_len,
             engine.config.torch_dtype,
         )
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # NOTE: touched on the engine thread only
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="local-engine", daemon=True)
-        self.error: BaseException | None = None  # what killed the engine thread, if anything
+        self._loop = EngineLoop(
+            engine, self._publish, idle_wait_s, self._expire_deadlines, self._stopped
+        )
         if start:
             self.start()
 
     # ---- lifecycle (any thread) ----
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop.start()
 
     def close(self, timeout: float = 10.0) -> None:
         """Abort every request (their streams end with "abort") and stop the engine thread."""
-        self._stopping.set()
-        self._inbox.put(lambda: None)  # wake the thread
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._loop.stop(timeout)
 
     def ready(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        return self._loop.alive
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine thread, if anything."""
+        return self._loop.error
 
     def model_info(self) -> ModelInfo:
         return self._model_info
@@ -101,7 +99,7 @@ class LocalBackend:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
-        self._inbox.put(lambda: self._add(request, _Stream(loop, deltas, request.deadline)))
+        self._loop.submit(lambda _: self._add(request, _Stream(loop, deltas, request.deadline)))
         finished = False
         try:
             while not finished:
@@ -113,13 +111,13 @@ class LocalBackend:
                 yield item
         finally:
             if not finished:  # cancelled, closed early or failed: free the request's blocks
-                self._inbox.put(lambda: self._abort(rid))
+                self._loop.submit(lambda _: self._abort(rid))
 
     async def abort(self, request_id: str) -> None:
-        self._inbox.put(lambda: self._abort(request_id))
+        self._loop.submit(lambda _: self._abort(request_id))
 
     async def status(self) -> ClusterStatus:
-        if not self._thread.is_alive():  # nobody else touches the engine: read it here
+        if not self._loop.alive:  # nobody else touches the engine: read it here
             return self._status()
         return await self.call(lambda _: self._status())
 
@@ -128,55 +126,19 @@ class LocalBackend:
         queries and tests; fn must be quick and must not keep references to engine state)."""
         if not self.ready():
             raise RuntimeError("the local engine thread is not running")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        return await asyncio.wrap_future(self._loop.submit(fn))
 
-        def job() -> None:
-            try:
-                fut.set_result(fn(self.engine))
-            except Exception as e:  # handed to the caller
-                fut.set_exception(e)
+    # ---- on the engine thread ----
 
-        self._inbox.put(job)
-        return await asyncio.wrap_future(fut)
-
-    # ---- the engine thread ----
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping.is_set():
-                self._drain(wait=not engine.has_unfinished())
-                self._expire_deadlines()
-                if not engine.has_unfinished():
-                    continue
-                before = engine.num_computed_tokens
-                self._publish(engine.step())
-                if engine.num_computed_tokens == before:  # no progress possible: do not spin
-                    self._drain(wait=True)
-            self._drain(wait=False)  # jobs that raced with the stop; their streams end below
-            for rid in list(self._streams):
+    def _stopped(self, error: BaseException | None) -> None:
+        """The loop's last act: end every open stream (with the error that killed the engine,
+        or as aborted)."""
+        for rid, stream in list(self._streams.items()):
+            if error is not None:
+                _deliver(stream, error)
+                self._streams.pop(rid)
+            else:
                 self._abort(rid)
-        except Exception as e:  # the engine is broken: fail every open stream
-            self.error = e
-            for stream in self._streams.values():
-                _deliver(stream, e)
-            self._streams.clear()
-            raise
-        finally:
-            self._stopping.set()
-
-    def _drain(self, wait: bool) -> None:
-        """Run the inbox's jobs; with wait, first sleep up to idle_wait_s for one to arrive."""
-        try:
-            job = self._inbox.get(timeout=self.idle_wait_s) if wait else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            job()
-            try:
-                job = self._inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _add(self, request: GenerateRequest, stream: _Stream) -> None:
         # NOTE: the request's resolved seed wins, so its tokens do not depend on this engine's
