@@ -5,16 +5,18 @@ Deltas go out through one stream per router: a list of deltas per step, not a ca
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
-from engine.kv_transfer import KVPayload
+from engine.kv_transfer import KVTransport, ObjectStoreTransport
 from engine.messages import GenerateRequest
 from engine.rank import Rank, RankConfig
 from engine.request import RequestOutput
 
 
 class DecodeWorker(Rank):
-    def __init__(self, config: RankConfig) -> None:
+    def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
         super().__init__(config)
+        self.transport = transport or ObjectStoreTransport()
         self._streams: dict[str, asyncio.Queue] = {}  # router id -> lists of deltas
         self._owner: dict[str, str] = {}  # request id -> router id
 
@@ -25,13 +27,15 @@ class DecodeWorker(Rank):
         return await self.call(lambda e: e.reserve(request_id, prompt_token_ids, deadline))
 
     async def start(
-        self, request: GenerateRequest, first: RequestOutput, kv: KVPayload, router_id: str
+        self, request: GenerateRequest, first: RequestOutput, kv_handle: Any, router_id: str
     ) -> None:
-        """Import the prompt's KV into the reserved blocks and join the running batch. Raises
-        (and releases the reservation) when the KV cannot be imported."""
+        """Receive the prompt's KV (kv_handle: what the prefill rank's transport sent), import it
+        into the reserved blocks and join the running batch. Raises (and releases the
+        reservation) when the KV cannot be received or imported."""
         rid = request.request_id
         self._owner[rid] = router_id
         try:
+            kv = await asyncio.to_thread(self.transport.receive, kv_handle)
             await self.call(
                 lambda e: e.start_prefilled(
                     rid, request.prompt_token_ids, request.params, request.seed, first, kv

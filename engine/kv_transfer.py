@@ -9,6 +9,7 @@ router.
 
 import os
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +36,30 @@ class KVPayload:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+class KVTransport(Protocol):
+    """How a prompt's KV goes from the prefill rank to the decode rank. `send` runs on the
+    prefill rank and returns a handle that the router passes on unopened; `receive` runs on the
+    decode rank with that handle."""
+
+    def send(self, payload: KVPayload) -> Any: ...
+
+    def receive(self, handle: Any) -> KVPayload: ...
+
+
+class ObjectStoreTransport:
+    """Over Ray's object store: the prefill call returns the payload as an object of its own,
+    the router hands the object ref to the decode call, and Ray resolves it there, copying the
+    bytes from the prefill node's store. Works on any Ray cluster; nothing to do on either side."""
+
+    def send(self, payload: KVPayload) -> KVPayload:
+        return payload
+
+    def receive(self, handle: KVPayload) -> KVPayload:
+        if not isinstance(handle, KVPayload):
+            raise KVTransferError(f"expected a KV payload, got {type(handle).__name__}")
+        return handle
 
 
 def kv_bytes_per_token(num_layers: int, width: int, dtype: torch.dtype) -> int:

@@ -90,3 +90,14 @@ def test_failed_import_and_expired_reservation_free_blocks(monkeypatch):
     assert decode.reserve("c", prompt, deadline=time.monotonic() + 30)
     decode.abort_request("c")
     decode.assert_no_leaks()
+
+
+def test_object_store_transport_passes_payloads_and_refuses_anything_else():
+    from engine.kv_transfer import KVPayload, ObjectStoreTransport
+
+    transport = ObjectStoreTransport()
+    payload = KVPayload("r", torch.zeros(3, 5, 40), 0)
+    assert transport.receive(transport.send(payload)) is payload
+    assert payload.nbytes == 3 * 5 * 40 * 4
+    with pytest.raises(KVTransferError, match="expected a KV payload"):
+        transport.receive(None)
