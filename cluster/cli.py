@@ -141,6 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ray_address=args.address,
         kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size,
+        kv_transport=args.kv_transport,
     )
     if config.ray_address is None:
         # A local Ray stays on loopback; Ray reads this when it is first imported.
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--address", help="join this Ray cluster (auto, or host:port)")
     serve.add_argument("--kv-cache-bytes", type=int, help="KV cache budget per rank")
     serve.add_argument("--block-size", type=int)
+    serve.add_argument("--kv-transport", choices=["object_store", "p2p"])
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a continuation (in-process or via --target)")

@@ -43,6 +43,7 @@ class ClusterConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
     kv_transfer_timeout_s: float = 30.0
+    kv_transport: str = "object_store"  # or "p2p": torch.distributed send/recv between ranks
     start_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the rank actors
 
@@ -57,6 +58,11 @@ class ClusterConfig:
             (self.torch_threads >= 1, "torch_threads", "must be >= 1"),
             (self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s", "must be > 0"),
             (self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1"),
+            (
+                self.kv_transport in ("object_store", "p2p"),
+                "kv_transport",
+                "must be object_store or p2p",
+            ),
         ]
         for ok, name, why in checks:
             if not ok:

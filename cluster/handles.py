@@ -15,8 +15,8 @@ class PrefillHandle:
     def __init__(self, actor: ActorHandle) -> None:
         self.actor = actor
 
-    async def prefill(self, request: GenerateRequest) -> tuple[RequestOutput, Any]:
-        first_ref, kv_ref = self.actor.prefill.options(num_returns=2).remote(request)
+    async def prefill(self, request: GenerateRequest, kv_dst: int) -> tuple[RequestOutput, Any]:
+        first_ref, kv_ref = self.actor.prefill.options(num_returns=2).remote(request, kv_dst)
         return await first_ref, kv_ref  # the KV stays in the object store
 
     async def abort(self, request_id: str) -> None:
@@ -27,8 +27,9 @@ class PrefillHandle:
 
 
 class DecodeHandle:
-    def __init__(self, actor: ActorHandle) -> None:
+    def __init__(self, actor: ActorHandle, kv_rank: int) -> None:
         self.actor = actor
+        self.kv_rank = kv_rank  # its index in the KV transport group
 
     async def reserve(self, request_id: str, prompt: list[int], timeout_s: float) -> bool:
         return await self.actor.reserve.remote(request_id, prompt, timeout_s)
@@ -42,6 +43,9 @@ class DecodeHandle:
 
     async def abort(self, request_id: str) -> None:
         await self.actor.abort.remote(request_id)
+
+    async def discard_kv(self, kv: Any) -> None:
+        await self.actor.discard_kv.remote(kv)
 
     async def status(self) -> RankStatus:
         return await self.actor.status.remote()

@@ -46,7 +46,10 @@ class Cluster:
             self.pools = {name: Pool(name, c) for name in ("prefill", "decode")}
             self.backend = ClusterBackend(
                 [PrefillHandle(a) for a in self.pools["prefill"].actors],
-                [DecodeHandle(a) for a in self.pools["decode"].actors],
+                [
+                    DecodeHandle(a, self.pools["decode"].kv_offset + i)
+                    for i, a in enumerate(self.pools["decode"].actors)
+                ],
                 build_model_info(
                     c.model, mc, mc.max_position_embeddings, c.engine_config("decode").torch_dtype
                 ),
@@ -70,7 +73,10 @@ class Cluster:
             raise
 
     async def _start_pools(self) -> None:
-        await asyncio.gather(*(pool.start() for pool in self.pools.values()))
+        kv_master = None
+        if self.config.kv_transport == "p2p":
+            kv_master = await self.pools["prefill"].kv_master()
+        await asyncio.gather(*(pool.start(kv_master) for pool in self.pools.values()))
         await self.backend.start()
 
     def start_ray(self) -> None:

@@ -30,6 +30,9 @@ class Pool:
     def __init__(self, name: str, config: ClusterConfig) -> None:
         self.name, self.config = name, config
         self.num_ranks = getattr(config, name).num_ranks
+        # Index of each rank in the cluster-wide KV transport group: prefill ranks, then decode.
+        self.kv_offset = 0 if name == "prefill" else config.prefill.num_ranks
+        kv_world = config.prefill.num_ranks + config.decode.num_ranks
         gpus = config.gpus_per_rank
         if gpus is None:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
@@ -51,17 +54,32 @@ class Pool:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=r
                 ),
-            ).remote(RankConfig(name, r, self.num_ranks, engine, config.torch_threads))
+            ).remote(
+                RankConfig(
+                    name,
+                    r,
+                    self.num_ranks,
+                    engine,
+                    config.torch_threads,
+                    kv_transport=config.kv_transport,
+                    kv_rank=self.kv_offset + r,
+                    kv_world=kv_world,
+                )
+            )
             for r in range(self.num_ranks)
         ]
 
-    async def start(self) -> list[RankStatus]:
+    async def kv_master(self) -> tuple[str, int]:
+        """An address for the cluster-wide KV transport group's store (on this pool's rank 0)."""
+        return await self.actors[0].__ray_call__.remote(_node_address_and_port)
+
+    async def start(self, kv_master: tuple[str, int] | None = None) -> list[RankStatus]:
         """Wait for the placement, form the process group, load the experts; -> per-rank
         readiness (every rank calls init at once: the group forms when all have joined)."""
         await self.placement_group.ready()
         master = await self.actors[0].__ray_call__.remote(_node_address_and_port)
         started = time.monotonic()
-        statuses = await asyncio.gather(*(a.join.remote(*master) for a in self.actors))
+        statuses = await asyncio.gather(*(a.join.remote(*master, kv_master) for a in self.actors))
         for s in statuses:
             log.info(
                 "%s rank %d ready (%d KV blocks) after %.1f s",

@@ -7,16 +7,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.kv_transfer import KVTransport, ObjectStoreTransport
 from engine.messages import GenerateRequest
 from engine.rank import Rank, RankConfig
 from engine.request import RequestOutput
 
 
 class DecodeWorker(Rank):
-    def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
+    def __init__(self, config: RankConfig) -> None:
         super().__init__(config)
-        self.transport = transport or ObjectStoreTransport()
         self._streams: dict[str, asyncio.Queue] = {}  # router id -> lists of deltas
         self._owner: dict[str, str] = {}  # request id -> router id
 
@@ -45,6 +43,11 @@ class DecodeWorker(Rank):
             self._owner.pop(rid, None)
             await asyncio.shield(self.abort(rid))
             raise
+
+    async def discard_kv(self, kv_handle: Any) -> None:
+        """The request ended between its prefill and its start here: take the KV off the
+        transport anyway and drop it."""
+        await asyncio.to_thread(self.transport.discard, kv_handle)
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort_request(request_id))

@@ -43,9 +43,16 @@ class KVTransport(Protocol):
     prefill rank and returns a handle that the router passes on unopened; `receive` runs on the
     decode rank with that handle."""
 
-    def send(self, payload: KVPayload) -> Any: ...
+    def send(self, payload: KVPayload, dst: int) -> Any:
+        """dst: the decode rank's index in the transport's group (if it has one)."""
+        ...
 
     def receive(self, handle: Any) -> KVPayload: ...
+
+    def discard(self, handle: Any) -> None:
+        """Take delivery of a transfer whose request ended before its decode started (a
+        point-to-point send must be matched, or it times out and breaks the link)."""
+        ...
 
 
 class ObjectStoreTransport:
@@ -53,13 +60,16 @@ class ObjectStoreTransport:
     the router hands the object ref to the decode call, and Ray resolves it there, copying the
     bytes from the prefill node's store. Works on any Ray cluster; nothing to do on either side."""
 
-    def send(self, payload: KVPayload) -> KVPayload:
+    def send(self, payload: KVPayload, dst: int = 0) -> KVPayload:
         return payload
 
     def receive(self, handle: KVPayload) -> KVPayload:
         if not isinstance(handle, KVPayload):
             raise KVTransferError(f"expected a KV payload, got {type(handle).__name__}")
         return handle
+
+    def discard(self, handle: Any) -> None:
+        """Nothing to do: Ray frees the object when its last reference goes."""
 
 
 def kv_bytes_per_token(num_layers: int, width: int, dtype: torch.dtype) -> int:

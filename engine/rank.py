@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.ep import build_ep_engine
+from engine.kv_transfer import KVTransport, ObjectStoreTransport
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.messages import RankStatus
@@ -30,12 +31,17 @@ class RankConfig:
     engine: EngineConfig
     torch_threads: int = 1  # CPU ranks share the machine's cores
     dist_timeout_s: float = 600.0
+    kv_transport: str = "object_store"  # or "p2p": torch.distributed point-to-point
+    kv_rank: int = 0  # this rank's index in the cluster-wide KV transport group (p2p)
+    kv_world: int = 1
 
     def __post_init__(self) -> None:
         if self.pool not in ("prefill", "decode"):
             raise ValueError(f"pool must be prefill or decode, got {self.pool!r}")
         if not 0 <= self.rank < self.num_ranks:
             raise ValueError(f"rank {self.rank} is outside a pool of {self.num_ranks}")
+        if self.kv_transport not in ("object_store", "p2p"):
+            raise ValueError(f"kv_transport must be object_store or p2p, got {self.kv_transport!r}")
 
     @property
     def dist_backend(self) -> str:
@@ -48,17 +54,20 @@ class Rank(abc.ABC):
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
+        self.transport: KVTransport = ObjectStoreTransport()
 
     # ---- start-up ----
 
-    async def join(self, master_addr: str, master_port: int) -> RankStatus:
+    async def join(
+        self, master_addr: str, master_port: int, kv_master: tuple[str, int] | None = None
+    ) -> RankStatus:
         """Join the pool's process group (every rank of the pool calls this at once), load this
         rank's experts, and start stepping."""
         self._aio = asyncio.get_running_loop()
-        await asyncio.to_thread(self._join, master_addr, master_port)
+        await asyncio.to_thread(self._join, master_addr, master_port, kv_master)
         return self.status()
 
-    def _join(self, master_addr: str, master_port: int) -> None:
+    def _join(self, master_addr: str, master_port: int, kv_master: tuple[str, int] | None) -> None:
         c = self.config
         torch.set_num_threads(c.torch_threads)
         if c.num_ranks > 1:
@@ -75,8 +84,30 @@ class Rank(abc.ABC):
                 world_size=c.num_ranks,
                 timeout=timedelta(seconds=c.dist_timeout_s),
             )
+        if c.kv_transport == "p2p":
+            self.transport = self._p2p_transport(kv_master)
         self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks)
         self.loop = EngineLoop(self.engine, self._outputs_from_engine_thread).start()
+
+    def _p2p_transport(self, kv_master: tuple[str, int] | None):
+        """Join the cluster-wide group that carries KV between prefill and decode ranks."""
+        from engine.kv_p2p import TorchP2PTransport
+
+        c = self.config
+        if kv_master is None:
+            raise ValueError("kv_transport p2p needs the KV group's address")
+        addr, port = kv_master
+        if addr.startswith("127."):  # one machine: a file store listens on no port
+            store = dist.FileStore(f"{tempfile.gettempdir()}/epcluster-kv-{port}", c.kv_world)
+        else:
+            store = dist.TCPStore(
+                addr,
+                port,
+                c.kv_world,
+                is_master=c.kv_rank == 0,
+                timeout=timedelta(seconds=c.dist_timeout_s),
+            )
+        return TorchP2PTransport(store, c.kv_rank, c.kv_world, c.dist_backend)
 
     def stop(self) -> None:
         if self.loop is not None:

@@ -5,23 +5,22 @@ prefix cache."""
 import asyncio
 from typing import Any
 
-from engine.kv_transfer import KVTransport, ObjectStoreTransport
 from engine.messages import GenerateRequest
 from engine.rank import Rank, RankConfig
 from engine.request import PREFILLED, RequestOutput
 
 
 class PrefillWorker(Rank):
-    def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
+    def __init__(self, config: RankConfig) -> None:
         super().__init__(config)
-        self.transport = transport or ObjectStoreTransport()
         self._waiting: dict[str, asyncio.Future] = {}  # request id -> its first delta
         self.num_prompt_tokens_in_flight = 0
 
-    async def prefill(self, request: GenerateRequest) -> tuple[RequestOutput, Any]:
+    async def prefill(self, request: GenerateRequest, kv_dst: int = 0) -> tuple[RequestOutput, Any]:
         """Run the prompt; -> (first delta, the transport's handle of the prompt's KV for the
         decode rank). The handle is None when the request already finished with its first token
-        (EOS, max_tokens=1, a stop)."""
+        (EOS, max_tokens=1, a stop). kv_dst: the decode rank's index in the KV transport group.
+        """
         rid = request.request_id
         future = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future
@@ -47,7 +46,7 @@ class PrefillWorker(Rank):
             return first, None
         kv = self.engine.exported.pop(rid)  # set on the engine thread before this delta was sent
         first.finish_reason = None  # the decode rank carries on
-        return first, self.transport.send(kv)
+        return first, self.transport.send(kv, kv_dst)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for delta in outputs:

@@ -26,17 +26,20 @@ log = logging.getLogger(__name__)
 
 
 class PrefillRank(Protocol):
-    async def prefill(self, request: GenerateRequest) -> tuple[RequestOutput, Any]: ...
+    async def prefill(self, request: GenerateRequest, kv_dst: int) -> tuple[RequestOutput, Any]: ...
     async def abort(self, request_id: str) -> None: ...
     async def status(self) -> RankStatus: ...
 
 
 class DecodeRank(Protocol):
+    kv_rank: int  # where the prefill rank sends this rank's KV (the transport's numbering)
+
     async def reserve(self, request_id: str, prompt: list[int], timeout_s: float) -> bool: ...
     async def start(
         self, request: GenerateRequest, first: RequestOutput, kv: Any, router_id: str
     ) -> None: ...
     async def abort(self, request_id: str) -> None: ...
+    async def discard_kv(self, kv: Any) -> None: ...
     async def status(self) -> RankStatus: ...
     async def register_router(self, router_id: str) -> None: ...
     def stream(self, router_id: str) -> AsyncIterator[list[RequestOutput]]: ...
@@ -152,6 +155,7 @@ class ClusterBackend:
         self._queues[rid] = queue
         decode_idx: int | None = None
         prefill_idx: int | None = None
+        kv = None  # the transport's handle of the prompt's KV, until the decode rank takes it
         done = False
         try:
             decode_idx = await self._reserve(request)
@@ -163,7 +167,9 @@ class ClusterBackend:
             self._prefill_load[prefill_idx] += len(prompt)
             try:
                 result = await self._within(
-                    request, self.prefill[prefill_idx].prefill(request), abort_queue=queue
+                    request,
+                    self.prefill[prefill_idx].prefill(request, self.decode[decode_idx].kv_rank),
+                    abort_queue=queue,
                 )
             finally:
                 self._prefill_load[prefill_idx] -= len(prompt)
@@ -178,7 +184,8 @@ class ClusterBackend:
             if done:
                 return
             try:
-                await self.decode[decode_idx].start(request, first, kv, self.router_id)
+                handle, kv = kv, None
+                await self.decode[decode_idx].start(request, first, handle, self.router_id)
             except Exception as e:
                 raise KVTransferFailed(
                     f"the prompt's KV cache did not reach decode rank {decode_idx}: {e}"
@@ -197,6 +204,9 @@ class ClusterBackend:
             self._queues.pop(rid, None)
             if not done:  # cancelled, failed or aborted: free the blocks on both ranks
                 await asyncio.shield(self._abort_on_ranks(rid, prefill_idx, decode_idx))
+            if kv is not None:  # sent but never started: a p2p send must still be matched
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.decode[decode_idx].discard_kv(kv))
 
     async def _reserve(self, request: GenerateRequest) -> int:
         """Reserve the prompt's blocks on the best decode rank with room, waiting for room up

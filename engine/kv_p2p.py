@@ -1,0 +1,154 @@
+"""KV transport over torch.distributed point-to-point: the prefill rank sends the [L, T, C]
+tensor straight to the decode rank; only a small P2PHandle goes through the router.
+
+The transport has a process group of its own, spanning every prefill and decode rank of the
+cluster, built directly from a store (never the default group: each pool already uses that for
+its expert-parallel group). Its ranks are this group's, not the pools'.
+
+NOTE: when one send or recv times out, gloo closes every connection of that rank (not only the
+one to that peer): from then on every transfer of that rank, and every peer's transfer with it,
+fails at once with KVTransferError (an error, not a hang). The caller must fall back
+(ObjectStoreTransport) and replace the transport: all ranks build a new group. NCCL aborts the
+communicator instead.
+"""
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.kv_transfer import KVPayload, KVTransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class P2PHandle:
+    """What the decode rank needs to post the matching recv; picklable, passed by the router."""
+
+    request_id: str
+    src: int  # the sending rank in the transport group
+    tag: int  # 31 bits, unique per (src, in-flight request)
+    shape: tuple[int, ...]  # [L, T, C]
+    dtype: str  # "float32", "bfloat16", ...
+    num_cached_tokens: int
+
+
+def request_tag(request_id: str, seq: int) -> int:
+    """31-bit tag: 15 bits of a stable hash of request_id (to trace it), 16 bits of the sender's
+    counter (so two requests from one sender collide only 65,536 sends apart)."""
+    return (zlib.crc32(request_id.encode()) & 0x7FFF) << 16 | seq & 0xFFFF
+
+
+class TorchP2PTransport:
+    """KVTransport over torch.distributed send/recv. Every participant constructs it at start-up
+    with the same store and world_size (a collective: it blocks until all ranks have joined)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 30.0,
+    ) -> None:
+        assert 0 <= rank < world_size, (rank, world_size)
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.PrefixStore("kv_p2p", store)  # keys apart from any other group on the store
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+            self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        elif backend == "nccl":
+            # Untested here (CPU-only CI). The caller sets the CUDA device first. NCCL ignores
+            # tags: sends and recvs between two ranks match in the order they are posted, so a
+            # decode rank must receive in the order its prefill rank sent.
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        else:
+            raise ValueError(f"unknown backend {backend!r} (gloo or nccl)")
+        self._seq = itertools.count()
+        # (work, tensor, handle, dst, deadline), or None to stop
+        self._pending: queue.Queue = queue.Queue()
+        self._waiter = threading.Thread(target=self._wait_sends, name="kv-p2p-send", daemon=True)
+        self._waiter.start()
+
+    def send(self, payload: KVPayload, dst: int) -> P2PHandle:
+        """Start sending payload.data [L, T, C] to rank dst of this group; returns at once.
+        Raises KVTransferError if the send cannot even start."""
+        assert dst != self.rank and 0 <= dst < self.world_size, (dst, self.rank)
+        data = payload.data.to(self.device).contiguous()  # [L, T, C]
+        tag = request_tag(payload.request_id, next(self._seq))
+        try:
+            work = self.group.send([data], dst, tag)
+        except RuntimeError as e:  # e.g. the link to dst closed after an earlier timeout
+            where = f"request {payload.request_id} from rank {self.rank} to rank {dst}"
+            raise KVTransferError(f"KV send of {where} failed: {e}") from e
+        handle = P2PHandle(
+            request_id=payload.request_id,
+            src=self.rank,
+            tag=tag,
+            shape=tuple(data.shape),
+            dtype=str(data.dtype).removeprefix("torch."),
+            num_cached_tokens=payload.num_cached_tokens,
+        )
+        self._pending.put((work, data, handle, dst, time.monotonic() + self.timeout_s))
+        return handle
+
+    def receive(self, handle: P2PHandle) -> KVPayload:
+        """Receive the tensor a handle describes -> KVPayload with data [L, T, C] on this
+        transport's device (the CPU for gloo). Raises KVTransferError on timeout or error."""
+        dtype = getattr(torch, handle.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise KVTransferError(f"request {handle.request_id}: bad dtype {handle.dtype!r}")
+        data = torch.empty(handle.shape, dtype=dtype, device=self.device)  # [L, T, C]
+        where = f"request {handle.request_id} from rank {handle.src} to rank {self.rank}"
+        try:
+            work = self.group.recv([data], handle.src, handle.tag)
+            work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise KVTransferError(f"KV of {where} (tag {handle.tag}) failed: {e}") from e
+        return KVPayload(handle.request_id, data, handle.num_cached_tokens)
+
+    def discard(self, handle: P2PHandle) -> None:
+        """Receive and drop a transfer nobody will use, so the sender's send completes."""
+        self.receive(handle)
+
+    def discard(self, handle: P2PHandle) -> None:
+        """Take delivery of a transfer nobody will decode, and drop it: an unmatched send would
+        time out and break the sender's links (see the module note). Raises KVTransferError."""
+        self.receive(handle)
+
+    def close(self) -> None:
+        """Wait for the sends in flight (each up to its timeout), then shut the group down."""
+        self._pending.put(None)
+        self._waiter.join()
+        self.group.shutdown()
+
+    def _wait_sends(self) -> None:
+        # One thread waits for every send, in order, each until timeout_s after its start.
+        while (item := self._pending.get()) is not None:
+            work, data, handle, dst, deadline = item
+            # NOTE: at least 1 ms: a zero timedelta means "no timeout" to c10d
+            left_s = max(deadline - time.monotonic(), 1e-3)
+            try:
+                work.wait(timedelta(seconds=left_s))
+            except RuntimeError as e:
+                log.warning(
+                    "KV send of request %s from rank %d to rank %d (tag %d) dropped: %s",
+                    handle.request_id,
+                    self.rank,
+                    dst,
+                    handle.tag,
+                    e,
+                )
+            del work, data, item  # the tensor may be large: let it go now, not at the next get

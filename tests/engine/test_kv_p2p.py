@@ -1,0 +1,127 @@
+"""TorchP2PTransport over gloo: spawned ranks form the transport group from a FileStore; what a
+decode rank receives equals, bit for bit, the tensor the prefill rank built from the same seed."""
+
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.kv_p2p import P2PHandle, TorchP2PTransport, request_tag
+from engine.kv_transfer import KVPayload, KVTransferError
+
+# request_id -> (seed, [L, T, C], dtype, num_cached_tokens, dst)
+CASES = {
+    "req-a": (1, (3, 17, 40), torch.float32, 0, 2),
+    "req-b": (2, (2, 5, 64), torch.bfloat16, 4, 2),
+    "req-c": (3, (4, 9, 8), torch.float32, 8, 1),
+    "req-d": (4, (1, 3, 16), torch.float32, 0, 2),
+}
+DISCARDED = {"req-d"}  # its request ended before its decode started
+
+
+def _expected(request_id: str) -> torch.Tensor:
+    """The payload of a case, rebuilt from its seed in whichever process asks -> [L, T, C]."""
+    seed, shape, dtype, _, _ = CASES[request_id]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def _run(worker, world_size: int, *args) -> None:
+    """Run worker(rank, transport, *args) on world_size spawned ranks; any rank's exception, exit
+    or hang fails the test."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_main, args=(worker, r, world_size, tmp, args))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 90
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 0))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = [f.read_text() for f in sorted(Path(tmp).glob("*.err"))]
+        assert not errors, "\n".join(errors)
+        assert [p.exitcode for p in procs] == [0] * world_size, "a rank died or hung"
+
+
+def _main(worker, rank: int, world_size: int, tmp: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+        transport = TorchP2PTransport(store, rank, world_size, timeout_s=args[0])
+        worker(rank, transport, *args[1:])
+        start = time.monotonic()
+        transport.close()  # waits for the sends: one never matched would take its timeout
+        assert time.monotonic() - start < 10, "a send was never received"
+    except BaseException:
+        Path(tmp, f"{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def _transfer_worker(rank: int, transport: TorchP2PTransport, handles: list) -> None:
+    if rank == 0:
+        for request_id, (_, _, _, cached, dst) in CASES.items():
+            payload = KVPayload(request_id, _expected(request_id), cached)
+            handles[dst].put(transport.send(payload, dst))
+        return
+    mine = [rid for rid, case in CASES.items() if case[4] == rank]
+    got = {h.request_id: h for h in (handles[rank].get(timeout=30) for _ in mine)}
+    for request_id in reversed(mine):  # out of send order: the tags must match them up
+        _, shape, dtype, cached, _ = CASES[request_id]
+        handle = got[request_id]
+        if request_id in DISCARDED:
+            transport.discard(handle)
+            continue
+        assert isinstance(handle, P2PHandle) and handle.src == 0, handle
+        assert handle.shape == shape and handle.dtype == str(dtype).removeprefix("torch.")
+        payload = transport.receive(handle)
+        assert payload.request_id == request_id and payload.num_cached_tokens == cached
+        assert payload.data.dtype == dtype and payload.data.shape == shape
+        assert torch.equal(payload.data, _expected(request_id)), request_id
+
+
+def _timeout_worker(rank: int, transport: TorchP2PTransport, done) -> None:
+    if rank == 0:  # stays up until rank 1 is done: a peer that exits would fail it sooner
+        done.get(timeout=30)
+        return
+    handle = P2PHandle("req-lost", src=0, tag=12345, shape=(2, 3, 4), dtype="float32",
+                       num_cached_tokens=0)  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(KVTransferError, match=r"req-lost from rank 0 to rank 1") as info:
+        transport.receive(handle)
+    elapsed = time.monotonic() - start
+    done.put(True)
+    assert 1.5 < elapsed < 5, (elapsed, info.value)
+    assert "Timed out" in str(info.value), info.value
+
+
+@pytest.mark.timeout(120)
+def test_send_receive_exact_tensors() -> None:
+    """Rank 0 sends fp32 and bf16 payloads of different shapes to rank 2 and one to rank 1;
+    rank 2 also discards one; every send is matched, so rank 0's close() returns at once."""
+    ctx = mp.get_context("spawn")
+    handles = [None, ctx.Queue(), ctx.Queue()]
+    _run(_transfer_worker, 3, 30.0, handles)
+
+
+@pytest.mark.timeout(120)
+def test_receive_without_send_times_out() -> None:
+    _run(_timeout_worker, 2, 2.0, mp.get_context("spawn").Queue())
+
+
+def test_tag_fits_31_bits_and_differs_per_send() -> None:
+    tags = {request_tag(f"req-{i % 3}", seq) for i, seq in enumerate(range(2**16 - 10, 2**16 + 10))}
+    assert len(tags) == 20 and all(0 <= t < 2**31 for t in tags)
+    assert request_tag("req-a", 7) == request_tag("req-a", 7 + 2**16)  # the documented wrap
