@@ -123,11 +123,6 @@ class TorchP2PTransport:
         """Receive and drop a transfer nobody will use, so the sender's send completes."""
         self.receive(handle)
 
-    def discard(self, handle: P2PHandle) -> None:
-        """Take delivery of a transfer nobody will decode, and drop it: an unmatched send would
-        time out and break the sender's links (see the module note). Raises KVTransferError."""
-        self.receive(handle)
-
     def close(self) -> None:
         """Wait for the sends in flight (each up to its timeout), then shut the group down."""
         self._pending.put(None)

@@ -1,6 +1,7 @@
 """TorchP2PTransport over gloo: spawned ranks form the transport group from a FileStore; what a
 decode rank receives equals, bit for bit, the tensor the prefill rank built from the same seed."""
 
+import logging.handlers
 import os
 import tempfile
 import time
@@ -61,10 +62,11 @@ def _main(worker, rank: int, world_size: int, tmp: str, args: tuple) -> None:
     try:
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
         transport = TorchP2PTransport(store, rank, world_size, timeout_s=args[0])
+        dropped = logging.handlers.BufferingHandler(capacity=1000)
+        logging.getLogger("engine.kv_p2p").addHandler(dropped)
         worker(rank, transport, *args[1:])
-        start = time.monotonic()
-        transport.close()  # waits for the sends: one never matched would take its timeout
-        assert time.monotonic() - start < 10, "a send was never received"
+        transport.close()  # waits for the sends in flight
+        assert not dropped.buffer, [r.getMessage() for r in dropped.buffer]  # all were received
     except BaseException:
         Path(tmp, f"{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise SystemExit(1) from None
@@ -110,7 +112,7 @@ def _timeout_worker(rank: int, transport: TorchP2PTransport, done) -> None:
 @pytest.mark.timeout(120)
 def test_send_receive_exact_tensors() -> None:
     """Rank 0 sends fp32 and bf16 payloads of different shapes to rank 2 and one to rank 1;
-    rank 2 also discards one; every send is matched, so rank 0's close() returns at once."""
+    rank 2 also discards one; no send of rank 0 is dropped."""
     ctx = mp.get_context("spawn")
     handles = [None, ctx.Queue(), ctx.Queue()]
     _run(_transfer_worker, 3, 30.0, handles)
