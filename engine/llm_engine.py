@@ -11,6 +11,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import update_text
 from engine.kv_transfer import KVPayload, KVTransferError, export_kv, import_kv
+from engine.messages import RankStatus
 from engine.model_runner import ModelRunner
 from engine.request import PREFILLED, Request, RequestOutput
 from engine.sampler import SampleOutput
@@ -254,6 +255,27 @@ class LLMEngine:
         if update_text(req, self.tokenizer, finished=length):
             return "stop"
         return "length" if length else None
+
+    def rank_status(self, pool: str, rank: int, ready: bool) -> RankStatus:
+        """This engine's load, for routing and GetClusterStatus (a snapshot: when read from
+        another thread, the counters may be a step apart)."""
+        bm = self.block_manager
+        return RankStatus(
+            pool,
+            rank,
+            ready,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            bm.num_used_blocks,
+            bm.num_blocks,
+            bm.num_cached_blocks,
+            len(self.reserved),
+            bm.block_size,
+            {
+                layer: list(m.experts.expert_ids)
+                for layer, m in zip(self.model.config.moe_layers, self.model.moe_layers())
+            },
+        )
 
     def assert_no_leaks(self) -> None:
         """With no request alive, every KV block is free or cached and unreferenced."""

@@ -131,24 +131,7 @@ class Rank(abc.ABC):
         c, e = self.config, self.engine
         if e is None:
             return RankStatus(c.pool, c.rank, False, 0, 0, 0, 0)
-        # Plain reads of counters another thread updates: a snapshot, good enough for routing.
-        bm = e.block_manager
-        return RankStatus(
-            c.pool,
-            c.rank,
-            self.ready(),
-            len(e.scheduler.running),
-            len(e.scheduler.waiting),
-            bm.num_used_blocks,
-            bm.num_blocks,
-            bm.num_cached_blocks,
-            len(e.reserved),
-            c.engine.block_size,
-            {
-                layer: list(m.experts.expert_ids)
-                for layer, m in zip(e.model.config.moe_layers, e.model.moe_layers())
-            },
-        )
+        return e.rank_status(c.pool, c.rank, self.ready())
 
     # ---- outputs: engine thread -> asyncio loop ----
 

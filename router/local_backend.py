@@ -15,9 +15,10 @@ from typing import TypeVar
 
 import torch
 
+from engine.kv_transfer import kv_bytes_per_token
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
-from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolStatus, RankStatus
+from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolStatus
 from engine.request import RequestOutput
 from moe.config import ModelConfig
 
@@ -29,7 +30,6 @@ def build_model_info(
 ) -> ModelInfo:
     """ModelInfo from a model config, without loading weights (a router on Ray can call this
     with the pools' config)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     return ModelInfo(
         model=name,
         model_type=config.model_type,
@@ -39,7 +39,9 @@ def build_model_info(
         num_routed_experts=config.n_routed_experts,
         experts_per_token=config.num_experts_per_tok,
         eos_token_id=config.eos_token_id,
-        kv_bytes_per_token=config.num_hidden_layers * config.kv_cache_width * itemsize,
+        kv_bytes_per_token=kv_bytes_per_token(
+            config.num_hidden_layers, config.kv_cache_width, dtype
+        ),
     )
 
 
@@ -174,25 +176,7 @@ class LocalBackend:
                 self._abort(out.request_id)
 
     def _status(self) -> ClusterStatus:
-        engine = self.engine
-        bm, scheduler = engine.block_manager, engine.scheduler
-        moe_layers = engine.model.config.moe_layers
-        expert_ids = {
-            layer: list(moe.experts.expert_ids)
-            for layer, moe in zip(moe_layers, engine.model.moe_layers())
-        }
-        rank = RankStatus(
-            pool="local",
-            rank=0,
-            ready=self.ready(),
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_used_blocks=bm.num_used_blocks,
-            kv_total_blocks=bm.num_blocks,
-            kv_cached_blocks=bm.num_cached_blocks,
-            block_size=bm.block_size,
-            expert_ids=expert_ids,
-        )
+        rank = self.engine.rank_status("local", 0, self.ready())
         return ClusterStatus(pools=[PoolStatus("local", [rank])], num_in_flight=len(self._streams))
 
 
