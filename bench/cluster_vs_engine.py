@@ -26,18 +26,23 @@ def run_cluster(model: str, requests, prefill: int, decode: int) -> tuple[float,
     from cluster.launcher import Cluster
     from router.client import AsyncInferenceClient
 
-    config = ClusterConfig.load(None, model=model, port=0, prefill_ranks=prefill,
-                                decode_ranks=decode)
+    config = ClusterConfig.load(
+        None, model=model, port=0, prefill_ranks=prefill, decode_ranks=decode
+    )
     with Cluster(config) as cluster:
 
         async def run() -> tuple[float, list]:
             async with AsyncInferenceClient(cluster.address, timeout=3600) as client:
                 await client.complete([3, 4, 5], SamplingParams(max_tokens=2))  # warm-up
                 start = time.perf_counter()
-                outs = await asyncio.gather(*(
-                    client.complete(p, SamplingParams(max_tokens=n, temperature=0,
-                                                      ignore_eos=True))
-                    for p, n in requests))
+                outs = await asyncio.gather(
+                    *(
+                        client.complete(
+                            p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                        )
+                        for p, n in requests
+                    )
+                )
                 return time.perf_counter() - start, outs
 
         elapsed, outs = asyncio.run(run())
@@ -65,13 +70,23 @@ def main() -> None:
     print(f"cluster: {tokens} tokens in {cluster_s:.1f} s = {tokens / cluster_s:.1f} tok/s")
     ratio = engine_s / cluster_s
     print(f"cluster / engine throughput: {ratio:.2f}x")
-    print(record(f"cluster_vs_engine_{args.model}", {
-        "model": args.model, "requests": args.requests, "output_tokens": tokens,
-        "prefill_ranks": args.prefill_ranks, "decode_ranks": args.decode_ranks,
-        "engine_s": round(engine_s, 2), "engine_tok_s": round(tokens / engine_s, 1),
-        "cluster_s": round(cluster_s, 2), "cluster_tok_s": round(tokens / cluster_s, 1),
-        "ratio_cluster_engine": round(ratio, 2),
-    }))
+    print(
+        record(
+            f"cluster_vs_engine_{args.model}",
+            {
+                "model": args.model,
+                "requests": args.requests,
+                "output_tokens": tokens,
+                "prefill_ranks": args.prefill_ranks,
+                "decode_ranks": args.decode_ranks,
+                "engine_s": round(engine_s, 2),
+                "engine_tok_s": round(tokens / engine_s, 1),
+                "cluster_s": round(cluster_s, 2),
+                "cluster_tok_s": round(tokens / cluster_s, 1),
+                "ratio_cluster_engine": round(ratio, 2),
+            },
+        )
+    )
 
 
 if __name__ == "__main__":

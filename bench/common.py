@@ -11,8 +11,13 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
-             seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(
+    num: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab: int,
+    seed: int = 0,
+) -> list[tuple[list[int], int]]:
     """`num` (prompt token ids, output length) pairs, uniformly random in the given ranges."""
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -27,9 +32,12 @@ def record(name: str, result: dict) -> Path:
     """Write bench/results/<name>.json with the command line and the machine."""
     script = Path(sys.argv[0])
     module = f"-m bench.{script.stem}" if script.parent.name == "bench" else str(script)
-    result = dict(result, command=" ".join([".venv/bin/python", module, *sys.argv[1:]]),
-                  machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads",
-                  date=time.strftime("%Y-%m-%d"))
+    result = dict(
+        result,
+        command=" ".join([".venv/bin/python", module, *sys.argv[1:]]),
+        machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        date=time.strftime("%Y-%m-%d"),
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

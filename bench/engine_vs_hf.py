@@ -35,8 +35,14 @@ def run_hf(path: str, requests, batch: int) -> float:
         new = max(n for _, n in chunk)
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         elapsed += time.perf_counter() - start
     return elapsed
 
@@ -61,13 +67,23 @@ def main() -> None:
     print(f"transformers: {out_tokens} tokens in {hf_s:.1f} s = {out_tokens / hf_s:.1f} tok/s")
     ratio = hf_s / engine_s
     print(f"engine / transformers throughput: {ratio:.2f}x")
-    print(record("engine_vs_hf", {
-        "model": args.model, "requests": args.num_requests, "output_tokens": out_tokens,
-        "prompt_tokens": sum(len(p) for p, _ in requests),
-        "engine_s": round(engine_s, 2), "engine_tok_s": round(out_tokens / engine_s, 1),
-        "hf_s": round(hf_s, 2), "hf_tok_s": round(out_tokens / hf_s, 1),
-        "hf_batch": args.hf_batch, "ratio": round(ratio, 2),
-    }))
+    print(
+        record(
+            "engine_vs_hf",
+            {
+                "model": args.model,
+                "requests": args.num_requests,
+                "output_tokens": out_tokens,
+                "prompt_tokens": sum(len(p) for p, _ in requests),
+                "engine_s": round(engine_s, 2),
+                "engine_tok_s": round(out_tokens / engine_s, 1),
+                "hf_s": round(hf_s, 2),
+                "hf_tok_s": round(out_tokens / hf_s, 1),
+                "hf_batch": args.hf_batch,
+                "ratio": round(ratio, 2),
+            },
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,11 +42,30 @@ def setup_netns() -> None:
 
 def shape(rate: str) -> None:
     for ns, dev in zip(NS, VETH):
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
-                       capture_output=True)
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+            capture_output=True,
+        )
         if rate != "unshaped":
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-               "rate", rate, "burst", "64kb", "latency", "50ms")
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "64kb",
+                "latency",
+                "50ms",
+            )
 
 
 def teardown_netns() -> None:
@@ -63,18 +82,24 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = VETH[args.rank]
-    dist.init_process_group("gloo", init_method=f"tcp://{ADDR[0]}:{args.port}", rank=args.rank,
-                            world_size=2)
-    config = EngineConfig(model=args.model, two_batch_overlap="off", kv_cache_bytes=2**30,
-                          max_num_seqs=args.batch,
-                          max_num_batched_tokens=4096)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{ADDR[0]}:{args.port}", rank=args.rank, world_size=2
+    )
+    config = EngineConfig(
+        model=args.model,
+        two_batch_overlap="off",
+        kv_cache_bytes=2**30,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=4096,
+    )
     engine = build_ep_engine(config, None, args.rank, 2)
     gen = torch.Generator().manual_seed(args.rank)
     vocab = engine.model.config.vocab_size
     for i in range(args.batch):
         prompt = torch.randint(2, vocab, (16,), generator=gen).tolist()
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=10_000, ignore_eos=True,
-                                                          temperature=0))
+        engine.add_request(
+            str(i), prompt, SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0)
+        )
     engine.step()  # prefill everything: from here on every step is a pure decode step
     results = {}
     for rate in args.rates:
@@ -103,8 +128,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="small")
     ap.add_argument("--batch", type=int, default=32, help="decoding requests per rank")
-    ap.add_argument("--rates", nargs="+", default=["unshaped", "1gbit", "400mbit", "200mbit",
-                                                    "100mbit"])
+    ap.add_argument(
+        "--rates", nargs="+", default=["unshaped", "1gbit", "400mbit", "200mbit", "100mbit"]
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -122,13 +148,34 @@ def main() -> None:
     mc = ModelConfig.from_file(path)
     setup_netns()
     try:
-        base = [sys.executable, "-m", "bench.ep_overlap", "--worker", "--model", args.model,
-                "--batch", str(args.batch), "--steps", str(args.steps), "--rounds",
-                str(args.rounds), "--port", str(args.port), "--rates", *args.rates]
-        procs = [subprocess.Popen(["ip", "netns", "exec", NS[r], *base, "--rank", str(r)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  cwd=os.getcwd())
-                 for r in range(2)]
+        base = [
+            sys.executable,
+            "-m",
+            "bench.ep_overlap",
+            "--worker",
+            "--model",
+            args.model,
+            "--batch",
+            str(args.batch),
+            "--steps",
+            str(args.steps),
+            "--rounds",
+            str(args.rounds),
+            "--port",
+            str(args.port),
+            "--rates",
+            *args.rates,
+        ]
+        procs = [
+            subprocess.Popen(
+                ["ip", "netns", "exec", NS[r], *base, "--rank", str(r)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=os.getcwd(),
+            )
+            for r in range(2)
+        ]
         result = None
         for line in procs[0].stdout:
             if line.startswith("RATE "):
@@ -136,7 +183,7 @@ def main() -> None:
                 procs[0].stdin.write("go\n")
                 procs[0].stdin.flush()
             elif line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
+                result = json.loads(line[len("RESULT ") :])
         for p in procs:
             p.wait(timeout=60)
         if result is None:
@@ -146,17 +193,35 @@ def main() -> None:
     # Bytes over the wire per token per MoE layer: K rows of H fp32 out (dispatch) and back
     # (combine); with 2 ranks and contiguous experts about half the rows stay local.
     row = mc.hidden_size * 4
-    per_token = {"dispatch_bytes": mc.num_experts_per_tok * row,
-                 "combine_bytes": mc.num_experts_per_tok * row}
+    per_token = {
+        "dispatch_bytes": mc.num_experts_per_tok * row,
+        "combine_bytes": mc.num_experts_per_tok * row,
+    }
     rows = []
     print(f"{'link':>10} {'off s/step':>11} {'on s/step':>10} {'on/off':>7}")
     for rate, t in result.items():
         ratio = t["on"] / t["off"]
-        rows.append({"link": rate, "off_s": round(t["off"], 4), "on_s": round(t["on"], 4),
-                     "ratio_on_off": round(ratio, 3)})
+        rows.append(
+            {
+                "link": rate,
+                "off_s": round(t["off"], 4),
+                "on_s": round(t["on"], 4),
+                "ratio_on_off": round(ratio, 3),
+            }
+        )
         print(f"{rate:>10} {t['off']:>11.3f} {t['on']:>10.3f} {ratio:>7.2f}")
-    print(record("ep_overlap", {"model": args.model, "ep": 2, "batch_per_rank": args.batch,
-                                "bytes_per_token_per_moe_layer": per_token, "results": rows}))
+    print(
+        record(
+            "ep_overlap",
+            {
+                "model": args.model,
+                "ep": 2,
+                "batch_per_rank": args.batch,
+                "bytes_per_token_per_moe_layer": per_token,
+                "results": rows,
+            },
+        )
+    )
 
 
 if __name__ == "__main__":
