@@ -10,7 +10,7 @@ from engine.request import Request
 from engine.sampler import SampleOutput, sample
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
-from moe.overlap import Stages, model_stages, run_interleaved
+from moe.overlap import Stages, run_interleaved
 
 
 class ModelRunner:
@@ -38,10 +38,6 @@ class ModelRunner:
             )
             for _ in range(c.num_hidden_layers)
         ]  # L x [B, S, C]
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.config.block_size
 
     def prepare(
         self, requests: list[Request], num_new: list[int]
@@ -72,9 +68,9 @@ class ModelRunner:
     def _stages(self, requests: list[Request], num_new: list[int]) -> Stages:
         if not requests:  # an empty batch still joins every collective of an EP step
             empty = torch.empty(0, dtype=torch.long, device=self.config.device)
-            return model_stages(self.model, empty, empty, None, [])
+            return self.model.stages(empty, empty, [])
         input_ids, positions, kv = self.prepare(requests, num_new)
-        return model_stages(self.model, input_ids, positions, kv)
+        return self.model.stages(input_ids, positions, kv=kv)
 
     def forward(self, requests: list[Request], num_new: list[int], split: bool) -> torch.Tensor:
         """-> hidden [T, H] of the step's tokens, in order. With split, two micro-batches of

@@ -1,56 +1,69 @@
-"""Expert-parallel dispatch and combine over torch.distributed all_to_all_single.
+"""Dispatch and combine: how an MoE layer's token rows reach its routed experts and come back.
 
-Legend: T local tokens, H hidden, K experts per token, R ranks, S physical slots in the pool,
-S_r = S / R slots per rank, N rows this rank receives (its share of all ranks' T * K).
+Legend (kernels/__init__.py): T tokens, D hidden, K experts per token, E logical experts,
+R ranks, S physical slots of the pool, S_r slots on one rank, N rows this rank's experts get.
 
-dispatch: each (token, k) picks one physical slot (Placement.select_slots); the rows are sorted by
-(destination rank, destination slot) and exchanged with uneven splits. The receiver regroups them
-by local slot for Experts.forward_sorted. combine sends the expert outputs back by the reverse
-all-to-all and sums each token's K rows weighted by topk_weights.
+Every MoE layer has one dispatcher (MoE.dispatcher), of one of two kinds with one interface:
+- LocalDispatcher: every routed expert is on this rank (EP = 1). dispatch sorts the (token, k)
+  rows by local slot; nothing travels.
+- AllToAllDispatcher: the experts are sharded over the pool's ranks (EP > 1). Each (token, k)
+  picks one physical slot (Placement.select_slots); the rows, sorted by (destination rank, slot),
+  go out by all_to_all_single with uneven splits, and the receiver regroups them by local slot.
+  Works on any backend with uneven all_to_all_single (gloo for CPU tensors, NCCL for CUDA).
+  Every rank must call every collective, in the same order, even with T == 0.
 
-Works on any process group backend that has all_to_all_single with uneven splits: gloo for CPU
-tensors, NCCL for CUDA tensors. Every rank must call every collective, in the same order, even
-with T == 0.
+dispatch returns a DispatchHandle whose recv_x / recv_counts feed Experts; combine takes the
+expert outputs in the same order and returns a CombineHandle whose output() weights each token's
+K rows by topk_weights and sums them, by the same arithmetic for both kinds (so EP = 1 and EP > 1
+agree bit for bit on a token's sum).
 """
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from moe.layers import Experts, MoE, SharedFn
 from moe.placement import Placement
+
+if TYPE_CHECKING:
+    from moe.model import DeepseekForCausalLM
 
 
 @dataclass
 class DispatchHandle:
-    """What combine needs to send the rows back.
+    """A dispatch in progress, and what combine needs to send the rows back.
 
-    Two phases, so that a caller can overlap both with other work: the count exchange is in
-    flight after dispatch(); launch_rows() waits for it and sends the rows; wait() makes
-    recv_x / recv_counts ready (launching the rows first if needed).
+    All-to-all dispatches run in two phases that a caller can overlap with other work: the count
+    exchange is in flight after dispatch(); launch_rows() waits for it and sends the rows;
+    wait() makes recv_x / recv_counts ready (launching the rows first if needed). A local
+    dispatch is ready at once.
     """
 
     topk_weights: torch.Tensor  # [T, K] fp32
     send_order: torch.Tensor  # [T * K]: the (token * K + k) index of each sent row
-    send_counts: torch.Tensor  # [R * S_r] rows to each (destination rank, slot)
-    recv_counts_buf: torch.Tensor  # [R * S_r] rows from each (source rank, my slot)
-    send_x: torch.Tensor  # [T * K, H] rows in send order
-    group: dist.ProcessGroup | None
-    num_ranks: int
+    send_x: torch.Tensor  # [T * K, D] rows in send order
+    recv_x: torch.Tensor | None = field(default=None, repr=False)  # [N, D] grouped by slot
+    recv_counts: list[int] = field(default_factory=list)  # [S_r] rows per local slot
+    # all-to-all only:
+    group: dist.ProcessGroup | None = None
+    num_ranks: int = 1
+    send_counts: torch.Tensor | None = None  # [R * S_r] rows to each (destination rank, slot)
+    recv_counts_buf: torch.Tensor | None = None  # [R * S_r] rows from each (source, my slot)
     counts_work: dist.Work | None = None
     send_splits: list[int] = field(default_factory=list)  # [R] rows sent to each rank
     recv_splits: list[int] = field(default_factory=list)  # [R] rows received from each rank
     recv_perm: torch.Tensor | None = None  # [N]: recv_x[i] = arrival row recv_perm[i]
-    recv_counts: list[int] = field(default_factory=list)  # [S_r] rows per local slot
-    bytes_sent: int = 0  # rows * H * element size, rows to this rank itself included
-    recv_buf: torch.Tensor | None = None  # [N, H] rows in arrival order: by source, then slot
+    recv_buf: torch.Tensor | None = None  # [N, D] rows in arrival order: by source, then slot
     work: dist.Work | None = None
-    recv_x: torch.Tensor | None = field(default=None, repr=False)  # [N, H] grouped by local slot
+
+    @property
+    def bytes_sent(self) -> int:
+        """Rows times row size: what this rank puts on the wire (rows to itself included)."""
+        return self.send_x.numel() * self.send_x.element_size()
 
     def launch_rows(self, async_op: bool = True) -> "DispatchHandle":
-        if self.recv_buf is not None:
+        if self.recv_x is not None or self.recv_buf is not None:
             return self
         if self.counts_work is not None:
             self.counts_work.wait()
@@ -60,7 +73,6 @@ class DispatchHandle:
         self.recv_splits = recv_matrix.sum(dim=1).tolist()
         self.recv_perm = _slot_major_perm(recv_matrix)
         self.recv_counts = recv_matrix.sum(dim=0).tolist()
-        self.bytes_sent = self.send_x.numel() * self.send_x.element_size()
         self.recv_buf = self.send_x.new_empty(sum(self.recv_splits), self.send_x.shape[1])
         work = dist.all_to_all_single(
             self.recv_buf,
@@ -78,14 +90,14 @@ class DispatchHandle:
             self.launch_rows(async_op=False)
             if self.work is not None:
                 self.work.wait()
-            self.recv_x = self.recv_buf[self.recv_perm]  # [N, H]
+            self.recv_x = self.recv_buf[self.recv_perm]  # [N, D]
         return self
 
 
 @dataclass
 class CombineHandle:
     dispatch: DispatchHandle
-    rows: torch.Tensor  # [T * K, H] expert outputs, in dispatch's send order
+    rows: torch.Tensor  # [T * K, D] expert outputs, in dispatch's send order
     work: dist.Work | None = None
 
     def wait(self) -> "CombineHandle":
@@ -95,20 +107,65 @@ class CombineHandle:
         return self
 
     def output(self) -> torch.Tensor:
-        """[T, H] in the rows' dtype: sum over k of topk_weights[t, k] * expert row (t, k)."""
+        """[T, D] in the rows' dtype: sum over k of topk_weights[t, k] * expert row (t, k)."""
         self.wait()
         handle = self.dispatch
         num_tokens, top_k = handle.topk_weights.shape
         hidden = self.rows.shape[1]
         # NOTE: a gather and a sum over K, not index_add_: the same order of additions on every
-        # device (index_add_ on CUDA uses atomics).
+        # device and in every pool size (index_add_ on CUDA uses atomics).
         by_token = torch.empty(
             num_tokens * top_k, hidden, dtype=torch.float32, device=self.rows.device
         )
         by_token[handle.send_order] = self.rows.float()
-        by_token = by_token.view(num_tokens, top_k, hidden)  # [T, K, H]
-        weighted = by_token * handle.topk_weights.float()[:, :, None]  # [T, K, H]
-        return weighted.sum(dim=1).to(self.rows.dtype)  # [T, H]
+        by_token = by_token.view(num_tokens, top_k, hidden)  # [T, K, D]
+        weighted = by_token * handle.topk_weights.float()[:, :, None]  # [T, K, D]
+        return weighted.sum(dim=1).to(self.rows.dtype)  # [T, D]
+
+
+class LocalDispatcher:
+    """Every routed expert on this rank: local slot s holds logical expert expert_ids[s] (an
+    expert held twice uses its first slot)."""
+
+    def __init__(self, expert_ids: list[int], num_experts: int) -> None:
+        self.expert_ids = list(expert_ids)
+        # NOTE: explicit cpu: factory calls under a meta-device context import torch._dynamo.
+        log2slot = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")  # [E]
+        for slot in reversed(range(len(self.expert_ids))):
+            log2slot[self.expert_ids[slot]] = slot
+        self._log2slot = log2slot
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        async_op: bool = False,
+    ) -> DispatchHandle:
+        """x [T, D], topk_idx [T, K] int64 logical experts, topk_weights [T, K] fp32 -> a ready
+        handle: recv_x [T * K, D] sorted by local slot, recv_counts [S_r]."""
+        _check_routing(x, topk_idx, topk_weights)
+        if self._log2slot.device != topk_idx.device:
+            self._log2slot = self._log2slot.to(topk_idx.device)
+        top_k = topk_idx.shape[1]
+        slots = self._log2slot[topk_idx.reshape(-1)]  # [T * K]
+        if not bool((slots >= 0).all()):
+            missing = sorted(set(topk_idx.reshape(-1)[slots < 0].tolist()))
+            raise RuntimeError(
+                f"tokens were routed to experts {missing} that this rank does not hold: a model "
+                "loaded with a subset of the experts needs install_expert_parallel"
+            )
+        send_order = torch.argsort(slots, stable=True)  # [T * K]
+        rows = x[send_order // top_k]  # [T * K, D]
+        counts = torch.bincount(slots, minlength=len(self.expert_ids)).tolist()  # [S_r]
+        return DispatchHandle(topk_weights, send_order, rows, recv_x=rows, recv_counts=counts)
+
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, async_op: bool = False
+    ) -> CombineHandle:
+        """y [T * K, D]: one row per row of handle.recv_x -> a handle whose output() is [T, D]."""
+        assert y.shape == handle.recv_x.shape, (y.shape, handle.recv_x.shape)
+        return CombineHandle(handle, y)
 
 
 class AllToAllDispatcher:
@@ -120,7 +177,6 @@ class AllToAllDispatcher:
         placement: Placement,
         layer_pos: int,
         rank: int,
-        async_op: bool = True,
         counts_group: dist.ProcessGroup | None = None,
     ) -> None:
         assert 0 <= layer_pos < placement.num_layers, (layer_pos, placement.num_layers)
@@ -139,10 +195,6 @@ class AllToAllDispatcher:
         self._device_placement = placement  # a copy on the device of the last batch
         self.layer_pos = layer_pos
         self.rank = rank
-        self.async_op = async_op  # routed_fn: overlap the shared expert with the dispatch
-        # Rows this rank sent to each physical slot since the last reset: the load statistics
-        # that eplb.rebalance_experts consumes (summed over the pool).
-        self.tokens_per_slot = torch.zeros(placement.num_slots, dtype=torch.int64)
 
     def dispatch(
         self,
@@ -153,16 +205,12 @@ class AllToAllDispatcher:
     ) -> DispatchHandle:
         """Send each token's row to the K slots it is routed to.
 
-        x [T, H]; topk_idx [T, K] int64 logical experts; topk_weights [T, K] fp32.
+        x [T, D]; topk_idx [T, K] int64 logical experts; topk_weights [T, K] fp32.
         With async_op the count exchange is in flight on return: call handle.launch_rows() to
-        send the rows (async), and handle.wait() before reading recv_x.
+        send the rows (async), and handle.wait() before reading recv_x [N, D].
         """
-        assert x.dim() == 2 and topk_idx.dim() == 2, (x.shape, topk_idx.shape)
-        assert topk_idx.dtype == torch.int64, topk_idx.dtype
-        assert topk_weights.shape == topk_idx.shape, (topk_weights.shape, topk_idx.shape)
-        assert topk_idx.shape[0] == x.shape[0], (topk_idx.shape, x.shape)
+        _check_routing(x, topk_idx, topk_weights)
         placement = self._placement_on(x.device)
-        num_ranks = placement.num_ranks
         top_k = topk_idx.shape[1]
         x = x.contiguous()
 
@@ -171,21 +219,18 @@ class AllToAllDispatcher:
         # Slot ids are rank-major, so sorting by slot sorts by (destination rank, slot).
         send_order = torch.argsort(phy, stable=True)  # [T * K]
         send_counts = torch.bincount(phy, minlength=placement.num_slots)  # [S] = [R * S_r]
-        if self.tokens_per_slot.device != phy.device:
-            self.tokens_per_slot = self.tokens_per_slot.to(phy.device)
-        self.tokens_per_slot += send_counts
         recv_counts = torch.empty_like(send_counts)  # [R * S_r]: from (source rank, my slot)
         counts_work = dist.all_to_all_single(
             recv_counts, send_counts, group=self.counts_group, async_op=async_op
         )
         handle = DispatchHandle(
-            topk_weights=topk_weights,
-            send_order=send_order,
+            topk_weights,
+            send_order,
+            x[send_order // top_k],  # [T * K, D]
+            group=self.group,
+            num_ranks=placement.num_ranks,
             send_counts=send_counts,
             recv_counts_buf=recv_counts,
-            send_x=x[send_order // top_k],  # [T * K, H]
-            group=self.group,
-            num_ranks=num_ranks,
             counts_work=counts_work if async_op else None,
         )
         return handle if async_op else handle.wait()
@@ -200,14 +245,14 @@ class AllToAllDispatcher:
     ) -> CombineHandle:
         """Send expert outputs back to the tokens' ranks.
 
-        y [N, H]: one row per row of handle.recv_x, in the same (slot-grouped) order.
-        Returns a handle whose output() is [T, H] (waits first when async_op).
+        y [N, D]: one row per row of handle.recv_x, in the same (slot-grouped) order.
+        Returns a handle whose output() is [T, D] (waits first when async_op).
         """
         assert handle.recv_x is not None, "wait() on the dispatch handle before combine"
         assert y.shape == handle.recv_x.shape, (y.shape, handle.recv_x.shape)
-        arrival = torch.empty_like(y)  # [N, H] back in arrival order
+        arrival = torch.empty_like(y)  # [N, D] back in arrival order
         arrival[handle.recv_perm] = y
-        rows = y.new_empty(len(handle.send_order), y.shape[1])  # [T * K, H]
+        rows = y.new_empty(len(handle.send_order), y.shape[1])  # [T * K, D]
         work = dist.all_to_all_single(
             rows,
             arrival,
@@ -218,28 +263,15 @@ class AllToAllDispatcher:
         )
         return CombineHandle(handle, rows, work if async_op else None)
 
-    def routed_fn(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        experts: Experts,
-        shared: SharedFn | None,
-    ) -> torch.Tensor:
-        """MoE.routed_fn: x [T, H] -> routed + shared [T, H]. The shared expert runs while the
-        rows are in flight."""
-        handle = self.dispatch(x, topk_idx, topk_weights, async_op=self.async_op)
-        if self.async_op:
-            handle.launch_rows(async_op=True)
-        shared_out = shared(x) if shared is not None else None  # [T, H]
-        handle.wait()
-        assert len(handle.recv_counts) == len(experts.expert_ids), (
-            len(handle.recv_counts),
-            len(experts.expert_ids),
-        )
-        y = experts.forward_sorted(handle.recv_x, handle.recv_counts)  # [N, H]
-        routed = self.combine(y, handle).output()  # [T, H]
-        return routed if shared_out is None else routed + shared_out
+
+Dispatcher = LocalDispatcher | AllToAllDispatcher
+
+
+def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    assert x.dim() == 2 and topk_idx.dim() == 2, (x.shape, topk_idx.shape)
+    assert topk_idx.dtype == torch.int64, topk_idx.dtype
+    assert topk_weights.shape == topk_idx.shape, (topk_weights.shape, topk_idx.shape)
+    assert topk_idx.shape[0] == x.shape[0], (topk_idx.shape, x.shape)
 
 
 def _slot_major_perm(recv_matrix: torch.Tensor) -> torch.Tensor:
@@ -255,18 +287,14 @@ def _slot_major_perm(recv_matrix: torch.Tensor) -> torch.Tensor:
 
 
 def install_expert_parallel(
-    model: nn.Module,
+    model: "DeepseekForCausalLM",
     group: dist.ProcessGroup | None,
     placement: Placement,
     rank: int,
-    async_op: bool = True,
 ) -> dict[int, AllToAllDispatcher]:
-    """Route every MoE layer of `model` (loaded with experts=placement.rank_experts(rank))
-    through a dispatcher: sets `moe.routed_fn` and `moe.dispatcher`. Returns model layer ->
-    dispatcher."""
-    moe_layers = {
-        i: layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE)
-    }
+    """Give every MoE layer of `model` (loaded with experts=placement.rank_experts(rank)) an
+    AllToAllDispatcher over `group`. Returns model layer -> dispatcher."""
+    moe_layers = dict(zip(model.config.moe_layers, model.moe_layers(), strict=True))
     if tuple(moe_layers) != placement.layers:
         raise ValueError(
             f"placement layers {placement.layers} != the model's MoE layers {tuple(moe_layers)}"
@@ -282,8 +310,6 @@ def install_expert_parallel(
                 f"layer {layer}: rank {rank} holds experts {moe.experts.expert_ids}, "
                 f"the placement puts {expected[layer]} there"
             )
-        dispatcher = AllToAllDispatcher(group, placement, pos, rank, async_op, counts_group)
-        moe.routed_fn = dispatcher.routed_fn
-        moe.dispatcher = dispatcher  # for callers that drive dispatch/combine themselves
-        dispatchers[layer] = dispatcher
+        moe.dispatcher = AllToAllDispatcher(group, placement, pos, rank, counts_group)
+        dispatchers[layer] = moe.dispatcher
     return dispatchers

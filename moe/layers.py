@@ -1,10 +1,10 @@
 """Feed-forward layers: RMSNorm, the dense MLP, the gate, the routed experts and the MoE block.
 
-Legend: T tokens, H hidden, I intermediate, E logical routed experts, S local expert slots,
-K experts per token.
+Legend (kernels/__init__.py): T tokens, D hidden, I intermediate, E logical routed experts,
+S_r expert slots on this rank, K experts per token, N rows (token x k pairs).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,8 @@ from kernels.gate import grouped_topk
 from kernels.moe_mlp import grouped_expert_mlp, silu_and_mul
 from kernels.rmsnorm import rms_norm
 from moe.config import ModelConfig
+from moe.dispatch import Dispatcher, LocalDispatcher
+from moe.overlap import Stages, run_to_end
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +53,7 @@ class Gate(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, K] fp32, topk_idx [T, K] int64), logical expert ids."""
+        """x [T, D] -> (topk_weights [T, K] fp32, topk_idx [T, K] int64), logical expert ids."""
         c = self.config
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
         return grouped_topk(
@@ -70,7 +72,7 @@ class Gate(nn.Module):
 class Experts(nn.Module):
     """The routed experts this rank holds: slot s holds logical expert expert_ids[s].
 
-    Weights are stacked per slot: w13 [S, 2I, H] (gate rows, then up rows), w2 [S, H, I].
+    Weights are stacked per slot: w13 [S_r, 2I, D] (gate rows, then up rows), w2 [S_r, D, I].
     """
 
     def __init__(self, config: ModelConfig, expert_ids: Sequence[int]) -> None:
@@ -80,49 +82,16 @@ class Experts(nn.Module):
         num_slots, hidden, inter = len(expert_ids), config.hidden_size, config.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_slots, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_slots, hidden, inter))
-        self.num_experts = config.n_routed_experts
-        self.register_buffer("log2slot", self._log2slot(), persistent=False)
 
-    def _log2slot(self) -> torch.Tensor:
-        """[E] int64: a local slot of each logical expert, -1 where none."""
-        # NOTE: explicit cpu: factory calls under a meta-device context import torch._dynamo (2 s).
-        log2slot = torch.full((self.num_experts,), -1, dtype=torch.long, device="cpu")
-        ids = torch.tensor(self.expert_ids, dtype=torch.long, device="cpu")
-        log2slot[ids] = torch.arange(len(self.expert_ids), device="cpu")
-        return log2slot
-
-    def init_buffers(self) -> None:
-        self.log2slot = self._log2slot().to(self.w13.device)
-
-    def forward_sorted(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, H] rows grouped by local slot (counts [S]) -> [N, H] unweighted expert outputs."""
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, D] rows grouped by local slot (counts [S_r]) -> [N, D] unweighted outputs."""
         return grouped_expert_mlp(x, counts, self.w13, self.w2)
-
-    def forward(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """All experts local: x [T, H], topk_idx [T, K], topk_weights [T, K] -> [T, H]."""
-        num_tokens, top_k = topk_idx.shape
-        slots = self.log2slot[topk_idx.reshape(-1)]  # [T*K]
-        assert bool((slots >= 0).all()), "a token was routed to an expert this rank does not hold"
-        order = torch.argsort(slots, stable=True)  # [T*K]
-        counts = torch.bincount(slots, minlength=len(self.expert_ids)).tolist()
-        token_of = order // top_k
-        y = self.forward_sorted(x[token_of], counts)  # [T*K, H]
-        y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, y)
-
-
-SharedFn = Callable[[torch.Tensor], torch.Tensor]
-RoutedFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, Experts, SharedFn | None], torch.Tensor
-]
 
 
 class MoE(nn.Module):
-    """Gate, routed experts and shared experts. Expert parallelism swaps in `routed_fn`, which
-    gets (x [T, H], topk_idx [T, K], topk_weights [T, K], experts, shared) and returns the routed
-    plus shared output [T, H]; it runs `shared` (if not None) while its all-to-all is in flight."""
+    """Gate, routed experts and shared experts. The dispatcher moves the token rows to the
+    routed experts and back: a LocalDispatcher when this rank holds every expert, an
+    AllToAllDispatcher (moe.dispatch.install_expert_parallel) when the pool shares them."""
 
     def __init__(self, config: ModelConfig, expert_ids: Sequence[int]) -> None:
         super().__init__()
@@ -130,13 +99,24 @@ class MoE(nn.Module):
         self.experts = Experts(config, expert_ids)
         shared = config.moe_intermediate_size * config.n_shared_experts
         self.shared_experts = MLP(config.hidden_size, shared) if shared else None
-        self.routed_fn: RoutedFn | None = None
+        self.dispatcher: Dispatcher = LocalDispatcher(expert_ids, config.n_routed_experts)
+
+    def stages(self, x: torch.Tensor) -> Stages[torch.Tensor]:
+        """x [T, D] -> routed + shared output [T, D], yielding while the rows travel (after the
+        dispatch starts, and after the combine starts). The shared expert runs while the
+        dispatch is in flight."""
+        topk_weights, topk_idx = self.gate(x)  # [T, K]
+        handle = self.dispatcher.dispatch(x, topk_idx, topk_weights, async_op=True)
+        handle.launch_rows()  # another micro-batch's attention runs while the rows travel
+        shared = self.shared_experts(x) if self.shared_experts is not None else None  # [T, D]
+        yield
+        handle.wait()
+        y = self.experts(handle.recv_x, handle.recv_counts)  # [N, D]
+        combine = self.dispatcher.combine(y, handle, async_op=True)
+        yield
+        out = combine.output()  # [T, D]
+        return out if shared is None else out + shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_idx = self.gate(x)
-        if self.routed_fn is not None:
-            return self.routed_fn(x, topk_idx, topk_weights, self.experts, self.shared_experts)
-        routed = self.experts(x, topk_idx, topk_weights)
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
-        return routed
+        """x [T, D] -> [T, D]: the stages run to the end."""
+        return run_to_end(self.stages(x))

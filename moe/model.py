@@ -1,9 +1,12 @@
 """The DeepSeek-V2/V3 causal LM. Parameter names follow the HF checkpoints (model.layers.{i}...).
 
-Legend: B batch, T tokens, H hidden, V vocab.
-Two entry points: `forward(input_ids [B, T])` for whole sequences without a cache (logits for every
-position), and `forward_tokens` + `compute_logits` for a flat batch over the paged latent cache,
-which the engine drives (chunked prefill and decode in one call).
+Legend (kernels/__init__.py): B sequences, T tokens, D hidden, V vocab.
+One forward path: `stages(input_ids, positions, ...)` is a generator over a flat batch that yields
+while an MoE layer's rows travel (moe.overlap drives two of them interleaved: two-batch overlap).
+`forward_tokens` runs it to the end; `compute_logits` turns hidden states into logits; and
+`forward(input_ids [B, Q])` is both for whole sequences without a cache (every position's logits).
+With a PagedKV the flat batch runs over the paged latent cache (chunked prefill and decode in one
+call), as the engine drives it.
 """
 
 from collections.abc import Mapping, Sequence
@@ -15,6 +18,7 @@ from kernels.rotary import rope_cos_sin
 from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
 from moe.layers import MLP, MoE, RMSNorm
+from moe.overlap import Stages, run_to_end
 from moe.rope import rope_inv_freq
 
 ExpertSubset = Sequence[int] | Mapping[int, Sequence[int]] | None
@@ -41,16 +45,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
+    def stages(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         seq_lens: list[int] | None,
         kv: PagedKV | None,
-    ) -> torch.Tensor:
+    ) -> Stages[torch.Tensor]:
+        """x [T, D] -> [T, D], yielding while an MoE layer's rows travel."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            return x + (yield from self.mlp.stages(h))
+        return x + self.mlp(h)
 
 
 class DeepseekModel(nn.Module):
@@ -78,8 +86,6 @@ class DeepseekForCausalLM(nn.Module):
         """Recompute the non-persistent buffers (after building on the meta device)."""
         device = self.lm_head.weight.device
         self.inv_freq = rope_inv_freq(self.config)[0].to(device)
-        for moe in self.moe_layers():
-            moe.experts.init_buffers()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -93,6 +99,24 @@ class DeepseekForCausalLM(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
+    def stages(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int] | None = None,
+        kv: PagedKV | None = None,
+    ) -> Stages[torch.Tensor]:
+        """input_ids, positions [T] (a flat batch of sequences) -> final hidden states [T, D],
+        yielding while an MoE layer's rows travel.
+
+        Without kv the batch is whole sequences of seq_lens tokens; with kv, see PagedKV.
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, D]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)
+        for layer in self.model.layers:
+            x = yield from layer.stages(x, cos, sin, seq_lens, kv)
+        return self.model.norm(x)
+
     def forward_tokens(
         self,
         input_ids: torch.Tensor,
@@ -100,23 +124,16 @@ class DeepseekForCausalLM(nn.Module):
         seq_lens: list[int] | None = None,
         kv: PagedKV | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] (a flat batch of sequences) -> final hidden states [T, H].
-
-        Without kv the batch is whole sequences of seq_lens tokens; with kv, see PagedKV.
-        """
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, seq_lens, kv)
-        return self.model.norm(x)
+        """`stages` run to the end: input_ids, positions [T] -> hidden [T, D]."""
+        return run_to_end(self.stages(input_ids, positions, seq_lens, kv))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] fp32."""
+        """hidden [T, D] -> logits [T, V] fp32."""
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] fp32, every position, no cache."""
+        """input_ids [B, Q] -> logits [B, Q, V] fp32, every position, no cache."""
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).repeat(batch)
         hidden = self.forward_tokens(input_ids.reshape(-1), positions, [length] * batch)

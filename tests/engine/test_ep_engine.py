@@ -6,6 +6,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.ep import build_ep_engine
+from moe.dispatch import AllToAllDispatcher
 from moe.placement import Placement
 from moe.presets import ensure_preset
 from tests.ep_harness import run_pool
@@ -59,7 +60,9 @@ def ep_rank(rank, num_ranks, tbo, num_slots, share):
             break
     engine.assert_no_leaks()
     slots = {moe.experts.w13.shape[0] for moe in engine.model.moe_layers()}
-    overlapped = all(getattr(m, "dispatcher", None) for m in engine.model.moe_layers())
+    overlapped = all(
+        isinstance(m.dispatcher, AllToAllDispatcher) for m in engine.model.moe_layers()
+    )
     return {
         "outputs": outputs,
         "steps": steps,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe import load_model
-from moe.dispatch import AllToAllDispatcher, install_expert_parallel
+from moe.dispatch import AllToAllDispatcher, LocalDispatcher, install_expert_parallel
 from moe.eplb import rebalance_experts
 from moe.placement import Placement
 from moe.presets import ensure_preset
@@ -46,7 +46,7 @@ def _init(rank: int, num_ranks: int, port: int) -> None:
 
 def _hidden(case: int, rank: int, layer: int, num_tokens: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * case + 10 * rank + layer)
-    return torch.randn(num_tokens, HIDDEN, generator=gen)  # [T, H]
+    return torch.randn(num_tokens, HIDDEN, generator=gen)  # [T, D]
 
 
 def _skewed_placement(num_slots: int, num_ranks: int) -> Placement:
@@ -57,25 +57,25 @@ def _skewed_placement(num_slots: int, num_ranks: int) -> Placement:
     return Placement.from_phy2log(MOE_LAYERS, phy2log, num_ranks, NUM_EXPERTS)
 
 
-# (placement, async_op, tokens per rank) per case
+# (placement, tokens per rank) per case
 CASES = {
     2: [
-        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 2), False, [7, 0]),
-        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 2), True, [0, 9]),
-        (_skewed_placement(20, 2), True, [11, 3]),
-        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 2, num_slots=20), False, [6, 8]),
+        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 2), [7, 0]),
+        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 2), [0, 9]),
+        (_skewed_placement(20, 2), [11, 3]),
+        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 2, num_slots=20), [6, 8]),
     ],
     4: [
-        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 4), True, [5, 0, 13, 1]),
-        (_skewed_placement(24, 4), False, [3, 9, 0, 6]),
-        (_skewed_placement(24, 4), True, [8, 2, 5, 0]),
-        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 4, num_slots=24), True, [0, 4, 10, 2]),
+        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 4), [5, 0, 13, 1]),
+        (_skewed_placement(24, 4), [3, 9, 0, 6]),
+        (_skewed_placement(24, 4), [8, 2, 5, 0]),
+        (Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 4, num_slots=24), [0, 4, 10, 2]),
     ],
 }
 
 
 def _routing(src: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank src's batch: x [T, H] with x[:, 0] = src and x[:, 1] = token index, distinct
+    """Rank src's batch: x [T, D] with x[:, 0] = src and x[:, 1] = token index, distinct
     topk_idx [T, K], topk_weights [T, K]; every rank can rebuild every other rank's."""
     gen = torch.Generator().manual_seed(src)
     x = torch.randn(num_tokens, HIDDEN, generator=gen)
@@ -118,15 +118,9 @@ def _check_layout(rank: int, num_ranks: int, tokens: list[int]) -> None:
                 torch.tensor(handle.recv_counts),
             )
             y = handle.recv_x * slot_of_row[:, None]
-            out = dispatcher.combine(y, handle, async_op=async_op).output()  # [T, H]
+            out = dispatcher.combine(y, handle, async_op=async_op).output()  # [T, D]
             scale = (topk_weights * (phys[rank] + 1)).sum(dim=1)  # [T]
             assert torch.allclose(out, x * scale[:, None], rtol=1e-6, atol=1e-6)
-
-            # Load statistics: the pool's rows per physical slot.
-            load = dispatcher.tokens_per_slot.clone()
-            dist.all_reduce(load)
-            all_phy = torch.cat([p.reshape(-1) for p in phys])
-            assert torch.equal(load, torch.bincount(all_phy, minlength=placement.num_slots))
 
 
 def _worker(rank: int, num_ranks: int, port: int, out_dir: Path) -> None:
@@ -134,9 +128,9 @@ def _worker(rank: int, num_ranks: int, port: int, out_dir: Path) -> None:
     oracle, which raises in the rank where it fails."""
     _init(rank, num_ranks, port)
     results = {}
-    for case, (placement, async_op, tokens) in enumerate(CASES[num_ranks]):
+    for case, (placement, tokens) in enumerate(CASES[num_ranks]):
         model = load_model("tiny", experts=placement.rank_experts(rank))
-        install_expert_parallel(model, None, placement, rank, async_op=async_op)
+        install_expert_parallel(model, None, placement, rank)
         with torch.inference_mode():
             for layer in MOE_LAYERS:
                 x = _hidden(case, rank, layer, tokens[rank])
@@ -177,7 +171,7 @@ def rank_results(full_model, tmp_path_factory):
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_expert_parallel_moe_matches_full_model(num_ranks, full_model, rank_results):
     for rank, results in enumerate(rank_results(num_ranks)):
-        for case, (_, _, tokens) in enumerate(CASES[num_ranks]):
+        for case, (_, tokens) in enumerate(CASES[num_ranks]):
             for layer in MOE_LAYERS:
                 x = _hidden(case, rank, layer, tokens[rank])
                 with torch.inference_mode():
@@ -220,3 +214,26 @@ def test_install_rejects_a_model_loaded_for_another_rank():
         install_expert_parallel(model, None, placement, 0)
     with pytest.raises(ValueError, match="MoE layers"):
         install_expert_parallel(model, None, Placement.contiguous((1,), NUM_EXPERTS, 2), 1)
+
+
+def test_local_dispatcher_sorts_by_slot_and_combines_by_hand():
+    # Slots hold experts [2, 0, 1]; 3 tokens, K = 2.
+    dispatcher = LocalDispatcher([2, 0, 1], num_experts=3)
+    x = torch.arange(12, dtype=torch.float32).view(3, 4)  # [T, D]
+    topk_idx = torch.tensor([[0, 2], [1, 0], [2, 1]])  # slots [[1, 0], [2, 1], [0, 2]]
+    topk_weights = torch.tensor([[0.5, 0.25], [1.0, 2.0], [3.0, 0.125]])
+    handle = dispatcher.dispatch(x, topk_idx, topk_weights).wait()
+    assert handle.recv_counts == [2, 2, 2]
+    # slot 0: tokens 0 (k=1), 2 (k=0); slot 1: tokens 0, 1; slot 2: tokens 1, 2
+    assert torch.equal(handle.recv_x, x[[0, 2, 0, 1, 1, 2]])
+    slot_of_row = torch.tensor([1.0, 1.0, 2.0, 2.0, 3.0, 3.0])[:, None]  # "expert" = x * (s+1)
+    out = dispatcher.combine(handle.recv_x * slot_of_row, handle).output()
+    scale = torch.tensor([0.5 * 2 + 0.25 * 1, 1.0 * 3 + 2.0 * 2, 3.0 * 1 + 0.125 * 3])
+    assert torch.equal(out, x * scale[:, None])
+
+
+def test_local_dispatcher_refuses_experts_it_does_not_hold():
+    dispatcher = LocalDispatcher([0, 1], num_experts=4)
+    x = torch.zeros(2, 4)
+    with pytest.raises(RuntimeError, match=r"experts \[3\] that this rank does not hold"):
+        dispatcher.dispatch(x, torch.tensor([[0, 1], [3, 1]]), torch.ones(2, 2))

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from moe import load_model
+from moe.layers import MoE
+from moe.model import DeepseekForCausalLM
 from tests.hf_oracle import hf_greedy, make_hf_model
 
 YARN = {
@@ -87,3 +89,23 @@ def test_greedy_continuations_match(pair):
         for _ in range(32):
             tokens.append(int(ours(torch.tensor([tokens]))[0, -1].argmax()))
         assert tokens[length:] == expected
+
+
+def test_the_oracle_runs_the_engines_forward_path(pair, monkeypatch):
+    """`ours(ids)` goes through DeepseekForCausalLM.stages and MoE.stages, the generator the
+    engine's ModelRunner drives (there is no second forward path)."""
+    hf, ours = pair
+    calls = {"model": 0, "moe": 0}
+    model_stages, moe_stages = DeepseekForCausalLM.stages, MoE.stages
+
+    def count(key, fn):
+        def wrapped(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(DeepseekForCausalLM, "stages", count("model", model_stages))
+    monkeypatch.setattr(MoE, "stages", count("moe", moe_stages))
+    ours(torch.tensor([[1, 2, 3]]))
+    assert calls == {"model": 1, "moe": len(ours.config.moe_layers)}
