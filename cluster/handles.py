@@ -7,8 +7,7 @@ from typing import Any
 
 from ray.actor import ActorHandle
 
-from engine.messages import GenerateRequest, RankStatus
-from engine.request import RequestOutput
+from engine.messages import GenerateRequest, RankStatus, RequestOutput
 
 
 class PrefillHandle:

@@ -10,12 +10,12 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.handles import DecodeHandle, PrefillHandle
 from cluster.pool import Pool
+from engine.model_info import build_model_info
+from engine.tokenizer import load_tokenizer
 from moe.config import ModelConfig
 from moe.loader import resolve_model_path
-from moe.tokenizer import load_tokenizer
 from router.admission import AdmissionConfig
 from router.cluster_backend import ClusterBackend
-from router.local_backend import build_model_info
 from router.server import RouterServer, serve
 
 log = logging.getLogger(__name__)

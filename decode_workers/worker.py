@@ -7,9 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.messages import GenerateRequest
+from engine.messages import GenerateRequest, RequestOutput, StepResult
 from engine.rank import Rank, RankConfig
-from engine.request import RequestOutput
 
 
 class DecodeWorker(Rank):
@@ -67,9 +66,9 @@ class DecodeWorker(Rank):
             if self._streams.get(router_id) is queue:
                 del self._streams[router_id]
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def on_step(self, result: StepResult) -> None:
         by_router: dict[str, list[RequestOutput]] = {}
-        for delta in outputs:
+        for delta in result.outputs:
             router = self._owner.get(delta.request_id)
             if router is None:
                 continue

@@ -4,7 +4,7 @@ manager, the scheduler, the model runner, and the in-process LLM API."""
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput
+from engine.messages import RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

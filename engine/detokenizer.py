@@ -5,7 +5,7 @@ that could still become a stop string (or an incomplete UTF-8 character) is held
 """
 
 from engine.request import Request
-from moe.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 
 
 def update_text(req: Request, tokenizer: Tokenizer, finished: bool) -> bool:

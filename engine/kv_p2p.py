@@ -18,27 +18,15 @@ import queue
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from engine.kv_transfer import KVPayload, KVTransferError
+from engine.kv_transfer import KVTransferError
+from engine.messages import KVPayload, P2PHandle
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class P2PHandle:
-    """What the decode rank needs to post the matching recv; picklable, passed by the router."""
-
-    request_id: str
-    src: int  # the sending rank in the transport group
-    tag: int  # 31 bits, unique per (src, in-flight request)
-    shape: tuple[int, ...]  # [L, T, C]
-    dtype: str  # "float32", "bfloat16", ...
-    num_cached_tokens: int
 
 
 def request_tag(request_id: str, seq: int) -> int:

@@ -1,18 +1,19 @@
-"""A request's prompt KV cache on its way from a prefill rank to a decode rank.
+"""A request's prompt KV cache on its way from a prefill rank to a decode rank: export from the
+prefill rank's paged cache, the transports, and import into the decode rank's reserved blocks.
 
-MLA caches one latent row per token per layer (kv_lora_rank + qk_rope_head_dim numbers), so the
-payload is one tensor [L, T, C]: L layers, T prompt tokens, C latent width. On Ray it travels as
-an object: the prefill call returns it as a separate object ref that the router hands, unopened,
-to the decode call, so the bytes move between the two ranks' object stores, never through the
-router.
+Legend (kernels/__init__.py): L layers, T prompt tokens, C latent width, NB cache blocks,
+BS block size. The payload (engine.messages.KVPayload) is one tensor [L, T, C]. On Ray it
+travels as an object: the prefill call returns it as a separate object ref that the router hands,
+unopened, to the decode call, so the bytes move between the two ranks' object stores, never
+through the router.
 """
 
 import os
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from engine.messages import KVPayload
 from kernels.mla_attention import gather_latent
 
 # Test hook: a decode rank with this variable set fails every KV import (a broken transfer).
@@ -21,21 +22,6 @@ FAIL_IMPORT_ENV = "EPCLUSTER_FAIL_KV_IMPORT"
 
 class KVTransferError(RuntimeError):
     """The KV cache of a request could not be moved to its decode rank."""
-
-
-@dataclass(slots=True)
-class KVPayload:
-    request_id: str
-    data: torch.Tensor  # [L, T, C] on the CPU
-    num_cached_tokens: int  # prompt tokens the prefill rank found in its prefix cache
-
-    @property
-    def num_tokens(self) -> int:
-        return self.data.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
 
 class KVTransport(Protocol):

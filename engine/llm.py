@@ -4,7 +4,7 @@ from collections.abc import Iterator, Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput
+from engine.messages import RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -29,16 +29,10 @@ class LLM:
         prompts = _as_list(prompts)
         results: dict[str, RequestOutput] = {}
         for delta in self.stream(prompts, params):
-            acc = results.get(delta.request_id)
-            if acc is None:
+            if delta.request_id in results:
+                results[delta.request_id].merge(delta)
+            else:
                 results[delta.request_id] = delta
-                continue
-            acc.token_ids += delta.token_ids
-            acc.text += delta.text
-            acc.finish_reason = delta.finish_reason
-            acc.num_completion_tokens = delta.num_completion_tokens
-            if delta.logprobs is not None:
-                acc.logprobs = (acc.logprobs or []) + delta.logprobs
         return [results[str(i)] for i in range(len(prompts))]
 
     def stream(
@@ -60,7 +54,7 @@ class LLM:
             for rid, prompt, p in zip(ids, prompts, params):
                 engine.add_request(rid, prompt, p)
             while engine.has_unfinished():
-                yield from engine.step()
+                yield from engine.step().outputs
         finally:  # an error or an abandoned iterator must not leave requests holding blocks
             for rid in ids:
                 engine.abort_request(rid)

@@ -1,5 +1,6 @@
 """LLMEngine: one rank's requests, scheduler, paged cache and model. The loop is
-schedule -> run -> postprocess; `step()` returns what each request gained in that step."""
+schedule -> run -> postprocess; `step()` returns what each request gained in that step, and the
+prefill-only requests it handed off (with their KV)."""
 
 import itertools
 import random
@@ -10,16 +11,24 @@ import torch.distributed as dist
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import update_text
-from engine.kv_transfer import KVPayload, KVTransferError, export_kv, import_kv
-from engine.messages import RankStatus
+from engine.handoff import Reservations
+from engine.kv_transfer import export_kv
+from engine.messages import (
+    KVPayload,
+    PrefillResult,
+    RankStatus,
+    RequestOutput,
+    StepResult,
+)
+from engine.model_info import PromptLimits, check_prompt
 from engine.model_runner import ModelRunner
-from engine.request import PREFILLED, Request, RequestOutput
+from engine.request import Request
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.tokenizer import Tokenizer, load_tokenizer
 from moe.loader import load_model, resolve_model_path
 from moe.model import DeepseekForCausalLM
-from moe.tokenizer import Tokenizer, load_tokenizer
 
 
 class LLMEngine:
@@ -51,40 +60,26 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}
-        self.exported: dict[str, KVPayload] = {}  # prefill side: KV of finished prompts
-        # decode side: request id -> (block table, cached prompt tokens, deadline)
-        self.reserved: dict[str, tuple[list[int], int, float]] = {}
+        self.reservations = Reservations(self.block_manager, self.runner.kv_caches)  # decode
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode), lifetime
 
     # ---- requests ----
 
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        return PromptLimits(
+            self.model.config.vocab_size,
+            self.max_model_len,
+            self.config.block_size,
+            self.block_manager.num_blocks,
+        )
+
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
         """-> token ids, or ValueError saying what to fix."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [
-            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-        ]
-        if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]!r} is out of range: ids must be in [0, {vocab})"
-            )
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but the model's context is "
-                f"{self.max_model_len}: shorten it to at most {self.max_model_len - 1}"
-            )
-        blocks = -(-(len(ids) + 1) // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt needs {blocks} KV blocks but this engine's cache has "
-                f"{self.block_manager.num_blocks}: shorten it or raise kv_cache_bytes"
-            )
-        return ids
+        return check_prompt(ids, self.prompt_limits)
 
     def add_request(
         self,
@@ -96,8 +91,7 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. seed: overrides params.seed (the router resolves it); prefill_only:
         stop after the first token and export the prompt's KV (a prefill rank's job)."""
-        if request_id in self.requests or request_id in self.reserved:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_new_id(request_id)
         params = params or SamplingParams()
         ids = self.validate_prompt(prompt)
         if seed is None:
@@ -111,7 +105,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request however far it got (queued, running, or holding a reservation)."""
-        self.release_reservation(request_id)
+        self.reservations.release(request_id)
         req = self.requests.pop(request_id, None)
         if req is None or req.is_finished:
             return None
@@ -123,26 +117,9 @@ class LLMEngine:
     def reserve(self, request_id: str, prompt_token_ids: list[int], deadline: float) -> bool:
         """Hold KV blocks for a prompt whose KV a prefill rank will send, so it never arrives to
         a full cache. False when there is no room now. Released by start_prefilled, abort, or
-        expire_reservations after `deadline` (time.monotonic())."""
-        if request_id in self.requests or request_id in self.reserved:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        allocation = self.block_manager.allocate(prompt_token_ids)
-        if allocation is None:
-            return False
-        self.reserved[request_id] = (allocation[0], allocation[1], deadline)
-        return True
-
-    def release_reservation(self, request_id: str) -> bool:
-        held = self.reserved.pop(request_id, None)
-        if held is not None:
-            self.block_manager.free(held[0])
-        return held is not None
-
-    def expire_reservations(self, now: float) -> list[str]:
-        expired = [rid for rid, (_, _, deadline) in self.reserved.items() if deadline < now]
-        for rid in expired:
-            self.release_reservation(rid)
-        return expired
+        after `deadline` (time.monotonic())."""
+        self._check_new_id(request_id)
+        return self.reservations.reserve(request_id, prompt_token_ids, deadline)
 
     def start_prefilled(
         self,
@@ -155,52 +132,35 @@ class LLMEngine:
     ) -> Request:
         """Continue a request a prefill rank started: import its prompt KV into the reserved
         blocks and join the running batch with its first token."""
-        if request_id not in self.reserved:
-            raise KVTransferError(f"request {request_id!r} holds no reservation (expired?)")
-        block_table, cached, _ = self.reserved[request_id]
-        if kv.num_tokens != len(prompt_token_ids):
-            self.release_reservation(request_id)
-            raise KVTransferError(
-                f"request {request_id!r}: KV for {kv.num_tokens} tokens, "
-                f"the prompt has {len(prompt_token_ids)}"
-            )
-        try:
-            import_kv(self.runner.kv_caches, block_table, kv.data, start=cached)
-        except Exception:
-            self.release_reservation(request_id)
-            raise
-        del self.reserved[request_id]
-        req = Request(
+        req = self.reservations.start(
             request_id,
-            list(prompt_token_ids),
+            prompt_token_ids,
             params,
             seed,
+            first,
+            kv,
             next(self._arrivals),
-            output_token_ids=list(first.token_ids),
-            block_table=block_table,
-            num_computed_tokens=len(prompt_token_ids),
-            num_cached_tokens=kv.num_cached_tokens,
+            self.tokenizer,
         )
-        if first.logprobs:
-            req.logprobs = list(first.logprobs)
-        update_text(req, self.tokenizer, finished=False)  # what the prefill rank already sent
-        req.num_tokens_sent, req.num_text_sent = len(req.output_token_ids), len(req.text)
-        self.block_manager.commit(block_table, req.all_token_ids, req.num_computed_tokens)
         self.requests[request_id] = req
         self.scheduler.admit_running(req)
         return req
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.reservations:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # ---- the loop ----
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
         batch = self.scheduler.schedule()
         self.last_step_tokens = sum(batch.num_new_tokens)
         if self.ep_size == 1:
             if batch.is_empty:
-                return []
+                return StepResult()
             return self.postprocess(batch, self.runner.run(batch.requests, batch.num_new_tokens))
         num_tokens = sum(batch.num_new_tokens)
         # NOTE: every rank of the pool reaches this all-reduce once per step, work or not.
@@ -210,16 +170,14 @@ class LLMEngine:
         self.pool_has_unfinished = max_unfinished > 0
         self.last_step_tokens = max_tokens
         if max_tokens == 0:
-            return []
+            return StepResult()
         mode = self.config.two_batch_overlap
         split = mode == "on" or (mode == "auto" and max_tokens >= self.config.tbo_min_tokens)
         sampled = self.runner.run(batch.requests, batch.num_new_tokens, split)
-        return self.postprocess(batch, sampled) if batch.requests else []
+        return self.postprocess(batch, sampled) if batch.requests else StepResult()
 
-    def postprocess(
-        self, batch: ScheduledBatch, sampled: SampleOutput | None
-    ) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+    def postprocess(self, batch: ScheduledBatch, sampled: SampleOutput | None) -> StepResult:
+        result = StepResult()
         tokens = sampled.token_ids.tolist() if sampled is not None else []
         j = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
@@ -233,18 +191,27 @@ class LLMEngine:
                 req.logprobs.append(sampled.logprobs[j])
             j += 1
             reason = self._finish_reason(req)
-            if reason is None and req.prefill_only:
-                self.exported[req.request_id] = KVPayload(
-                    req.request_id,
-                    export_kv(self.runner.kv_caches, req.block_table, len(req.prompt_token_ids)),
-                    req.num_cached_tokens,
-                )
-                reason = PREFILLED
+            if reason is None and req.prefill_only:  # hand off to a decode rank
+                result.prefilled.append(self._export(req))
+                continue
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
-            outputs.append(req.take_delta())
-        return outputs
+            result.outputs.append(req.take_delta())
+        return result
+
+    def _export(self, req: Request) -> PrefillResult:
+        """A prefill-only request whose prompt is done: its first token and prompt KV leave the
+        engine; its blocks go back (full ones stay in the prefix cache)."""
+        kv = KVPayload(
+            req.request_id,
+            export_kv(self.runner.kv_caches, req.block_table, len(req.prompt_token_ids)),
+            req.num_cached_tokens,
+        )
+        first = req.take_delta()  # finish_reason None: the decode rank carries on
+        self.scheduler.finish(req, None)
+        self.requests.pop(req.request_id)
+        return PrefillResult(first, kv)
 
     def _finish_reason(self, req: Request) -> str | None:
         p, token = req.params, req.output_token_ids[-1]
@@ -269,7 +236,7 @@ class LLMEngine:
             bm.num_used_blocks,
             bm.num_blocks,
             bm.num_cached_blocks,
-            len(self.reserved),
+            len(self.reservations),
             bm.block_size,
             {
                 layer: list(m.experts.expert_ids)
@@ -280,7 +247,7 @@ class LLMEngine:
     def assert_no_leaks(self) -> None:
         """With no request alive, every KV block is free or cached and unreferenced."""
         assert not self.has_unfinished(), "requests are still alive"
-        assert not self.reserved, f"reservations still held: {sorted(self.reserved)}"
+        assert not self.reservations, f"reservations still held: {self.reservations.ids()}"
         self.block_manager.assert_idle()
 
     @property

@@ -1,10 +1,10 @@
 """EngineLoop: an engine stepping on its own thread, fed through a thread-safe inbox.
 
 A rank's actor (or any server) runs the engine here: callers submit functions that run on the
-engine thread between steps (the engine is not thread-safe), and every step's outputs go to a
-callback. An idle loop blocks on its inbox with a short timeout instead of spinning; in an
-expert-parallel pool it still reaches the step's agreement all-reduce once per timeout, because
-the other ranks may have work.
+engine thread between steps (the engine is not thread-safe), and every step's StepResult
+(deltas, handed-off prefills) goes to a callback. An idle loop blocks on its inbox with a short
+timeout instead of spinning; in an expert-parallel pool it still reaches the step's agreement
+all-reduce once per timeout, because the other ranks may have work.
 """
 
 import concurrent.futures
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput
+from engine.messages import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +25,16 @@ class EngineLoop:
     def __init__(
         self,
         engine: LLMEngine,
-        on_outputs: Callable[[list[RequestOutput]], None],
+        on_step: Callable[[StepResult], None],
         idle_wait_s: float = 0.02,
         on_tick: Callable[[], None] | None = None,
         on_stop: Callable[[BaseException | None], None] | None = None,
     ) -> None:
-        """on_outputs: each step's deltas; on_tick: runs before every step (deadline checks);
+        """on_step: what each step produced, when it produced something; on_tick: runs before
+        every step (deadline checks);
         on_stop: runs last on the engine thread, with what killed the loop (None on stop())."""
         self.engine = engine
-        self.on_outputs = on_outputs
+        self.on_step = on_step
         self.on_tick = on_tick
         self.on_stop = on_stop
         self.idle_wait_s = idle_wait_s
@@ -93,14 +94,14 @@ class EngineLoop:
                 self._drain(0.0 if self._busy() else self.idle_wait_s)
                 if self._stop.is_set():
                     break
-                self.engine.expire_reservations(time.monotonic())
+                self.engine.reservations.expire(time.monotonic())
                 if self.on_tick is not None:
                     self.on_tick()
                 if self.engine.ep_size > 1 or self.engine.has_unfinished():
-                    outputs = self.engine.step()
+                    result = self.engine.step()
                     self.num_steps += 1
-                    if outputs:
-                        self.on_outputs(outputs)
+                    if result:
+                        self.on_step(result)
                     if self.engine.last_step_tokens == 0:  # nothing ran anywhere: do not spin
                         self._drain(self.idle_wait_s)
         except BaseException as e:  # a dead engine must be visible, not silent

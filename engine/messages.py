@@ -1,9 +1,17 @@
-"""Messages that cross processes (router <-> prefill and decode ranks), as plain dataclasses.
-Protobuf lives only at the gRPC edge (router/proto)."""
+"""Everything that crosses processes (router <-> prefill and decode ranks, prefill -> decode), as
+plain dataclasses: one vocabulary for the router and both pools. Protobuf lives only at the gRPC
+edge (router/proto).
+
+Legend (kernels/__init__.py): L layers, T prompt tokens, C latent width per token per layer.
+"""
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.sampling_params import SamplingParams
+
+# ---- requests and their tokens ----
 
 
 @dataclass(slots=True)
@@ -15,6 +23,104 @@ class GenerateRequest:
     params: SamplingParams
     seed: int  # resolved: the router draws one when the client gives none
     deadline: float | None = None  # time.time() after which the request is aborted
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs (from the raw logits) of one sampled token and of the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first; len = params.logprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's tokens: the whole output from `LLM.generate`, or the new part of one step
+    (a delta) from `LLMEngine.step` and the streaming APIs."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # None while running, else "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_completion_tokens: int  # so far, in the whole request
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, delta: "RequestOutput") -> "RequestOutput":
+        """Append a later delta of the same request (in place); -> self."""
+        assert delta.request_id == self.request_id, (delta.request_id, self.request_id)
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        self.finish_reason = delta.finish_reason
+        self.num_completion_tokens = delta.num_completion_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        return self
+
+
+# ---- the KV handoff, prefill -> decode ----
+
+
+@dataclass(slots=True)
+class KVPayload:
+    """A request's prompt KV cache on its way from a prefill rank to a decode rank: MLA caches
+    one latent row per token per layer, so the payload is one tensor."""
+
+    request_id: str
+    data: torch.Tensor  # [L, T, C] on the CPU
+    num_cached_tokens: int  # prompt tokens the prefill rank found in its prefix cache
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass(slots=True)
+class P2PHandle:
+    """A KV transfer over torch.distributed point-to-point (engine.kv_p2p): what the decode rank
+    needs to post the matching recv. Passed by the router, never opened there."""
+
+    request_id: str
+    src: int  # the sending rank in the transport group
+    tag: int  # 31 bits, unique per (src, in-flight request)
+    shape: tuple[int, ...]  # [L, T, C]
+    dtype: str  # "float32", "bfloat16", ...
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """A prefill-only request whose prompt is done: its first token (finish_reason None: the
+    decode rank carries on) and its prompt's KV."""
+
+    first: RequestOutput
+    kv: KVPayload
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one engine step produced: the deltas of the requests that sampled, and the prefill-
+    only requests it handed off (their first token travels in PrefillResult, not in outputs)."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    prefilled: list[PrefillResult] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs or self.prefilled)
+
+
+# ---- status ----
 
 
 @dataclass(slots=True)

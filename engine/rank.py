@@ -19,8 +19,7 @@ from engine.ep import build_ep_engine
 from engine.kv_transfer import KVTransport, ObjectStoreTransport
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
-from engine.messages import RankStatus
-from engine.request import RequestOutput
+from engine.messages import RankStatus, StepResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +86,7 @@ class Rank(abc.ABC):
         if c.kv_transport == "p2p":
             self.transport = self._p2p_transport(kv_master)
         self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks)
-        self.loop = EngineLoop(self.engine, self._outputs_from_engine_thread).start()
+        self.loop = EngineLoop(self.engine, self._step_from_engine_thread).start()
 
     def _p2p_transport(self, kv_master: tuple[str, int] | None):
         """Join the cluster-wide group that carries KV between prefill and decode ranks."""
@@ -133,12 +132,12 @@ class Rank(abc.ABC):
             return RankStatus(c.pool, c.rank, False, 0, 0, 0, 0)
         return e.rank_status(c.pool, c.rank, self.ready())
 
-    # ---- outputs: engine thread -> asyncio loop ----
+    # ---- step results: engine thread -> asyncio loop ----
 
-    def _outputs_from_engine_thread(self, outputs: list[RequestOutput]) -> None:
+    def _step_from_engine_thread(self, result: StepResult) -> None:
         assert self._aio is not None
-        self._aio.call_soon_threadsafe(self.on_outputs, outputs)
+        self._aio.call_soon_threadsafe(self.on_step, result)
 
     @abc.abstractmethod
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Runs on the asyncio loop with one step's deltas; subclasses route them."""
+    def on_step(self, result: StepResult) -> None:
+        """Runs on the asyncio loop with what one step produced; subclasses route it."""

@@ -1,39 +1,16 @@
-"""A request inside one engine, and what the engine reports about it."""
+"""A request inside one engine."""
 
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.sampler import TokenLogprobs
+from engine.messages import RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
-
-# Internal finish reason of a prefill-only request whose prompt is done and whose KV is exported:
-# the decode rank carries on. Never reaches a client.
-PREFILLED = "prefilled"
 
 
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One request's tokens: the whole output from `LLM.generate`, or the new part of one step
-    (a delta) from `LLMEngine.step` and the streaming API."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # None while running, else "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_completion_tokens: int  # so far, in the whole request
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-    logprobs: list[TokenLogprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(slots=True, eq=False)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.messages import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -32,15 +33,6 @@ def noise_seed(seed: int, position: int) -> int:
     Mixing twice keeps nearby (seed, position) pairs from giving correlated streams.
     """
     return splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """Logprobs (from the raw logits) of one sampled token and of the top-n alternatives."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first; len = params.logprobs
 
 
 @dataclass(slots=True)

@@ -96,8 +96,9 @@ class Scheduler:
             self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End a request however it ends; its blocks go back (cached blocks stay reusable)."""
+    def finish(self, req: Request, reason: str | None) -> None:
+        """End a request here however it ends; its blocks go back (cached blocks stay
+        reusable). reason None: it was handed off and goes on elsewhere (a decode rank)."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:

@@ -1,20 +1,19 @@
 """PrefillWorker: one prefill rank. The engine runs each prompt as a prefill-only request; when
-its first token is sampled, the prompt's latent KV is exported and the blocks go back to the
-prefix cache."""
+its first token is sampled, the engine hands the request off as a PrefillResult (the first token
+and the prompt's latent KV), and its blocks go back to the prefix cache."""
 
 import asyncio
 from typing import Any
 
-from engine.messages import GenerateRequest
+from engine.messages import GenerateRequest, KVPayload, RequestOutput, StepResult
 from engine.rank import Rank, RankConfig
-from engine.request import PREFILLED, RequestOutput
 
 
 class PrefillWorker(Rank):
     def __init__(self, config: RankConfig) -> None:
         super().__init__(config)
-        self._waiting: dict[str, asyncio.Future] = {}  # request id -> its first delta
-        self.num_prompt_tokens_in_flight = 0
+        # request id -> (first delta, its KV, or None when the request finished here)
+        self._waiting: dict[str, asyncio.Future] = {}
 
     async def prefill(self, request: GenerateRequest, kv_dst: int = 0) -> tuple[RequestOutput, Any]:
         """Run the prompt; -> (first delta, the transport's handle of the prompt's KV for the
@@ -24,7 +23,6 @@ class PrefillWorker(Rank):
         rid = request.request_id
         future = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future
-        self.num_prompt_tokens_in_flight += len(request.prompt_token_ids)
         try:
             await self.call(
                 lambda e: e.add_request(
@@ -35,24 +33,22 @@ class PrefillWorker(Rank):
                     prefill_only=True,
                 )
             )
-            first: RequestOutput = await future
+            first, kv = await future
         except BaseException:  # cancelled or failed: the prompt must not hold blocks
             await asyncio.shield(self.abort(rid))
             raise
         finally:
             self._waiting.pop(rid, None)
-            self.num_prompt_tokens_in_flight -= len(request.prompt_token_ids)
-        if first.finish_reason != PREFILLED:
-            return first, None
-        kv = self.engine.exported.pop(rid)  # set on the engine thread before this delta was sent
-        first.finish_reason = None  # the decode rank carries on
-        return first, self.transport.send(kv, kv_dst)
+        return first, (None if kv is None else self.transport.send(kv, kv_dst))
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for delta in outputs:
-            future = self._waiting.get(delta.request_id)
-            if future is not None and not future.done() and delta.finished:
-                future.set_result(delta)
+    def on_step(self, result: StepResult) -> None:
+        for delta in result.outputs:
+            if delta.finished:
+                self._resolve(delta.request_id, delta, None)
+        for handed_off in result.prefilled:
+            self._resolve(handed_off.first.request_id, handed_off.first, handed_off.kv)
 
-    async def abort(self, request_id: str) -> None:
-        await self.call(lambda e: (e.abort_request(request_id), e.exported.pop(request_id, None)))
+    def _resolve(self, rid: str, first: RequestOutput, kv: KVPayload | None) -> None:
+        future = self._waiting.get(rid)
+        if future is not None and not future.done():
+            future.set_result((first, kv))

@@ -8,9 +8,8 @@ before calling `generate`; a backend never sees a request the router has refused
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine.messages import ClusterStatus, GenerateRequest, ModelInfo
-from engine.request import RequestOutput
-from moe.tokenizer import Tokenizer
+from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, RequestOutput
+from engine.tokenizer import Tokenizer
 
 
 class Backend(Protocol):

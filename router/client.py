@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.messages import ClusterStatus, ModelInfo
-from engine.request import RequestOutput
+from engine.messages import ClusterStatus, ModelInfo, RequestOutput
 from engine.sampling_params import SamplingParams
 from router import convert
 from router.proto import epcluster_pb2 as pb

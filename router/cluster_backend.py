@@ -17,9 +17,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolStatus, RankStatus
-from engine.request import RequestOutput
-from moe.tokenizer import Tokenizer
+from engine.messages import (
+    ClusterStatus,
+    GenerateRequest,
+    ModelInfo,
+    PoolStatus,
+    RankStatus,
+    RequestOutput,
+)
+from engine.tokenizer import Tokenizer
 from router.routing import decode_preference, prefill_choice, prefix_key
 
 log = logging.getLogger(__name__)

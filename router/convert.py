@@ -10,11 +10,17 @@ import uuid
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolStatus, RankStatus
-from engine.request import RequestOutput
-from engine.sampler import TokenLogprobs
+from engine.messages import (
+    ClusterStatus,
+    GenerateRequest,
+    ModelInfo,
+    PoolStatus,
+    RankStatus,
+    RequestOutput,
+    TokenLogprobs,
+)
 from engine.sampling_params import MAX_SEED, SamplingParams
-from moe.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from router.proto import epcluster_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 256

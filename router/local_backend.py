@@ -13,36 +13,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-import torch
-
-from engine.kv_transfer import kv_bytes_per_token
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
-from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolStatus
-from engine.request import RequestOutput
-from moe.config import ModelConfig
+from engine.messages import (
+    ClusterStatus,
+    GenerateRequest,
+    ModelInfo,
+    PoolStatus,
+    RequestOutput,
+    StepResult,
+)
+from engine.model_info import build_model_info
 
 T = TypeVar("T")
-
-
-def build_model_info(
-    name: str, config: ModelConfig, max_model_len: int, dtype: torch.dtype
-) -> ModelInfo:
-    """ModelInfo from a model config, without loading weights (a router on Ray can call this
-    with the pools' config)."""
-    return ModelInfo(
-        model=name,
-        model_type=config.model_type,
-        vocab_size=config.vocab_size,
-        max_model_len=max_model_len,
-        num_layers=config.num_hidden_layers,
-        num_routed_experts=config.n_routed_experts,
-        experts_per_token=config.num_experts_per_tok,
-        eos_token_id=config.eos_token_id,
-        kv_bytes_per_token=kv_bytes_per_token(
-            config.num_hidden_layers, config.kv_cache_width, dtype
-        ),
-    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -165,8 +148,8 @@ class LocalBackend:
             if stream.deadline is not None and now >= stream.deadline:
                 self._abort(rid)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
+    def _publish(self, result: StepResult) -> None:
+        for out in result.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue

@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 
+import engine.handoff
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.kv_transfer import FAIL_IMPORT_ENV, KVTransferError
-from engine.request import PREFILLED
+from engine.kv_transfer import KVTransferError, ObjectStoreTransport
+from engine.messages import KVPayload
 
 
 def prompts_and_params():
@@ -29,7 +30,7 @@ def prompts_and_params():
 
 def run_until_done(engine: LLMEngine, outs: dict):
     while engine.has_unfinished():
-        for d in engine.step():
+        for d in engine.step().outputs:
             outs.setdefault(d.request_id, []).append(d)
 
 
@@ -38,24 +39,26 @@ def test_prefill_then_decode_equals_one_engine():
     expected = LLM("tiny", block_size=4).generate(prompts, params)
     cfg = EngineConfig(model="tiny", block_size=4)
     prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
-    payloads = {}
+    requests = {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        req = prefill.add_request(str(i), p, sp, prefill_only=True)
-        payloads[str(i)] = req
-    firsts = {}
+        requests[str(i)] = prefill.add_request(str(i), p, sp, prefill_only=True)
+    handed_off = {}
     while prefill.has_unfinished():
-        for d in prefill.step():
-            firsts[d.request_id] = d
-    assert all(d.finish_reason == PREFILLED and len(d.token_ids) == 1 for d in firsts.values())
+        step = prefill.step()
+        assert step.outputs == []  # a handed-off request's first token travels with its KV
+        handed_off.update({h.first.request_id: h for h in step.prefilled})
+    assert sorted(handed_off) == sorted(requests)
+    for h in handed_off.values():
+        assert h.first.finish_reason is None and len(h.first.token_ids) == 1
     prefill.assert_no_leaks()  # exported and freed (the prefix cache may keep blocks)
     outs: dict = {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
         rid = str(i)
         assert decode.reserve(rid, p, deadline=time.monotonic() + 30)
-        req = payloads[rid]
-        assert prefill.exported[rid].num_tokens == len(p)
-        decode.start_prefilled(rid, p, sp, req.seed, firsts[rid], prefill.exported[rid])
-        outs[rid] = [firsts[rid]]
+        first, kv = handed_off[rid].first, handed_off[rid].kv
+        assert kv.num_tokens == len(p)
+        decode.start_prefilled(rid, p, sp, requests[rid].seed, first, kv)
+        outs[rid] = [first]
     run_until_done(decode, outs)
     for i, exp in enumerate(expected):
         deltas = outs[str(i)]
@@ -72,19 +75,30 @@ def test_failed_import_and_expired_reservation_free_blocks(monkeypatch):
     prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
     prompt, sp = list(range(2, 30)), SamplingParams(max_tokens=4)
     req = prefill.add_request("a", prompt, sp, prefill_only=True)
-    first = [d for d in prefill.step()][0]
+    (handed_off,) = prefill.step().prefilled
+    first, kv = handed_off.first, handed_off.kv
     assert decode.reserve("a", prompt, deadline=time.monotonic() + 30)
     assert decode.block_manager.num_used_blocks == 7
-    monkeypatch.setenv(FAIL_IMPORT_ENV, "1")
-    with pytest.raises(KVTransferError):
-        decode.start_prefilled("a", prompt, sp, req.seed, first, prefill.exported["a"])
+
+    def broken_import(*args, **kwargs):
+        raise KVTransferError("the copy failed")
+
+    monkeypatch.setattr(engine.handoff, "import_kv", broken_import)
+    with pytest.raises(KVTransferError, match="the copy failed"):
+        decode.start_prefilled("a", prompt, sp, req.seed, first, kv)
     decode.assert_no_leaks()
-    monkeypatch.delenv(FAIL_IMPORT_ENV)
+    monkeypatch.undo()
+    # KV of the wrong length is refused, and the reservation released
+    assert decode.reserve("a", prompt, deadline=time.monotonic() + 30)
+    short = KVPayload("a", kv.data[:, :-1], 0)
+    with pytest.raises(KVTransferError, match="KV for 27 tokens, the prompt has 28"):
+        decode.start_prefilled("a", prompt, sp, req.seed, first, short)
+    decode.assert_no_leaks()
     # a reservation whose KV never comes is released at its deadline
     assert decode.reserve("b", prompt, deadline=time.monotonic() - 1)
-    assert decode.expire_reservations(time.monotonic()) == ["b"]
+    assert decode.reservations.expire(time.monotonic()) == ["b"]
     with pytest.raises(KVTransferError, match="no reservation"):
-        decode.start_prefilled("b", prompt, sp, req.seed, first, prefill.exported["a"])
+        decode.start_prefilled("b", prompt, sp, req.seed, first, kv)
     decode.assert_no_leaks()
     # abort releases a reservation too
     assert decode.reserve("c", prompt, deadline=time.monotonic() + 30)
@@ -93,8 +107,6 @@ def test_failed_import_and_expired_reservation_free_blocks(monkeypatch):
 
 
 def test_object_store_transport_passes_payloads_and_refuses_anything_else():
-    from engine.kv_transfer import KVPayload, ObjectStoreTransport
-
     transport = ObjectStoreTransport()
     payload = KVPayload("r", torch.zeros(3, 5, 40), 0)
     assert transport.receive(transport.send(payload)) is payload

@@ -53,7 +53,7 @@ def ep_rank(rank, num_ranks, tbo, num_slots, share):
     outputs: dict[str, list[int]] = {str(i): [] for i in mine}
     steps = 0
     while True:
-        for delta in engine.step():
+        for delta in engine.step().outputs:
             outputs[delta.request_id] += delta.token_ids
         steps += 1
         if not engine.pool_has_unfinished:

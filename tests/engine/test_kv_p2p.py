@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.kv_p2p import P2PHandle, TorchP2PTransport, request_tag
-from engine.kv_transfer import KVPayload, KVTransferError
+from engine.kv_p2p import TorchP2PTransport, request_tag
+from engine.kv_transfer import KVTransferError
+from engine.messages import KVPayload, P2PHandle
 
 # request_id -> (seed, [L, T, C], dtype, num_cached_tokens, dst)
 CASES = {

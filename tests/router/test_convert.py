@@ -2,11 +2,16 @@
 
 import pytest
 
-from engine.messages import ClusterStatus, ModelInfo, PoolStatus, RankStatus
-from engine.request import RequestOutput
-from engine.sampler import TokenLogprobs
+from engine.messages import (
+    ClusterStatus,
+    ModelInfo,
+    PoolStatus,
+    RankStatus,
+    RequestOutput,
+    TokenLogprobs,
+)
 from engine.sampling_params import SamplingParams
-from moe.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from router import convert
 from router.proto import epcluster_pb2 as pb
 

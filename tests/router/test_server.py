@@ -243,7 +243,7 @@ def test_backend_refusal_gets_invalid_argument():
             with pytest.raises(grpc.RpcError) as err:
                 c.complete(list(range(5, 45)), QUICK)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "needs 11 KV blocks but this engine's cache has 8" in err.value.details()
+            assert "needs 11 KV blocks, but a KV cache here holds 8" in err.value.details()
             assert c.complete([5, 6], QUICK).finish_reason == "length"
         assert wait_idle(small) == (False, 0)
     finally:

@@ -1,0 +1,115 @@
+"""The decode side of the KV handoff: reservations, and the start of a prefilled request.
+
+A decode rank reserves KV blocks for a prompt before its prefill starts, so the prompt's KV never
+arrives to a full cache. When the prefill rank's PrefillResult arrives (the first token and the
+prompt's KV), `Reservations.start` imports the KV into the reserved blocks and returns the request,
+ready to join the running batch. (The prefill side is LLMEngine.step: a prefill-only request
+whose prompt is done leaves the engine as a PrefillResult.)
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.detokenizer import update_text
+from engine.kv_transfer import KVTransferError, import_kv
+from engine.messages import KVPayload, RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class Reservation:
+    request_id: str
+    block_table: list[int]  # blocks for the prompt and its first token
+    num_cached_tokens: int  # prompt tokens already in this rank's prefix cache (not imported)
+    deadline: float  # time.monotonic() after which an unused reservation is released
+
+
+class Reservations:
+    """The reservation book of one decode rank's engine (not thread-safe: the engine thread)."""
+
+    def __init__(self, block_manager: BlockManager, kv_caches: list[torch.Tensor]) -> None:
+        self.block_manager = block_manager
+        self.kv_caches = kv_caches
+        self._book: dict[str, Reservation] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._book
+
+    def __len__(self) -> int:
+        return len(self._book)
+
+    def ids(self) -> list[str]:
+        return sorted(self._book)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], deadline: float) -> bool:
+        """Hold blocks for the prompt; False (nothing held) when there is no room now."""
+        assert request_id not in self._book, request_id
+        allocation = self.block_manager.allocate(prompt_token_ids)
+        if allocation is None:
+            return False
+        block_table, num_cached = allocation
+        self._book[request_id] = Reservation(request_id, block_table, num_cached, deadline)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Give the blocks back; False when the id holds no reservation."""
+        held = self._book.pop(request_id, None)
+        if held is not None:
+            self.block_manager.free(held.block_table)
+        return held is not None
+
+    def expire(self, now: float) -> list[str]:
+        """Release the reservations whose deadline has passed; -> their ids."""
+        expired = [rid for rid, r in self._book.items() if r.deadline < now]
+        for rid in expired:
+            self.release(rid)
+        return expired
+
+    def start(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        first: RequestOutput,
+        kv: KVPayload,
+        arrival: int,
+        tokenizer: Tokenizer,
+    ) -> Request:
+        """Import the prompt's KV into the request's reserved blocks -> the request, running,
+        with its first token (already sent to the client by the prefill rank). Raises
+        KVTransferError, with the reservation released, if the KV does not fit."""
+        held = self._book.pop(request_id, None)
+        if held is None:
+            raise KVTransferError(f"request {request_id!r} holds no reservation (expired?)")
+        try:
+            if kv.num_tokens != len(prompt_token_ids):
+                raise KVTransferError(
+                    f"request {request_id!r}: KV for {kv.num_tokens} tokens, "
+                    f"the prompt has {len(prompt_token_ids)}"
+                )
+            import_kv(self.kv_caches, held.block_table, kv.data, start=held.num_cached_tokens)
+        except BaseException:
+            self.block_manager.free(held.block_table)
+            raise
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            seed,
+            arrival,
+            output_token_ids=list(first.token_ids),
+            block_table=held.block_table,
+            num_computed_tokens=len(prompt_token_ids),
+            num_cached_tokens=kv.num_cached_tokens,
+        )
+        if first.logprobs:
+            req.logprobs = list(first.logprobs)
+        update_text(req, tokenizer, finished=False)  # what the prefill rank already sent
+        req.num_tokens_sent, req.num_text_sent = len(req.output_token_ids), len(req.text)
+        self.block_manager.commit(held.block_table, req.all_token_ids, req.num_computed_tokens)
+        return req
