@@ -15,7 +15,7 @@ from engine.tokenizer import load_tokenizer
 from moe.config import ModelConfig
 from moe.loader import resolve_model_path
 from router.admission import AdmissionConfig
-from router.cluster_backend import ClusterBackend
+from router.cluster_backend import ClusterBackend, RoutingConfig
 from router.server import RouterServer, serve
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Cluster:
                 ),
                 load_tokenizer(path, mc.vocab_size, mc.eos_token_id, mc.bos_token_id),
                 c.block_size,
-                kv_transfer_timeout_s=c.kv_transfer_timeout_s,
+                RoutingConfig(kv_transfer_timeout_s=c.kv_transfer_timeout_s),
             )
             self.server = serve(
                 self.backend,

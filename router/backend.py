@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, RequestOutput
+from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
 
 
@@ -17,6 +18,11 @@ class Backend(Protocol):
 
     def model_info(self) -> ModelInfo:
         """The served model's facts; cheap and constant once constructed."""
+        ...
+
+    def prompt_limits(self) -> PromptLimits:
+        """What a prompt must fit (the vocabulary, the context, the smallest KV cache of the
+        ranks that hold it); cheap, polled per request."""
         ...
 
     def ready(self) -> bool:

@@ -22,16 +22,7 @@ Prompt = str | list[int]
 
 def _accumulate(acc: RequestOutput | None, msg: pb.GenerateResponse) -> RequestOutput:
     delta = convert.output_from_proto(msg)
-    if acc is None:
-        return delta
-    acc.token_ids += delta.token_ids
-    acc.text += delta.text
-    acc.finish_reason = delta.finish_reason
-    acc.num_completion_tokens = delta.num_completion_tokens
-    acc.num_cached_tokens = delta.num_cached_tokens
-    if delta.logprobs is not None:
-        acc.logprobs = (acc.logprobs or []) + delta.logprobs
-    return acc
+    return delta if acc is None else acc.merge(delta)
 
 
 def _gather(responses: Iterable[pb.GenerateResponse]) -> RequestOutput:

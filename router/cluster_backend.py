@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.messages import (
@@ -25,6 +26,7 @@ from engine.messages import (
     RankStatus,
     RequestOutput,
 )
+from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
 from router.routing import decode_preference, prefill_choice, prefix_key
 
@@ -55,6 +57,39 @@ class KVTransferFailed(RuntimeError):
     """The prompt's KV did not reach the decode rank; the request ends with an error."""
 
 
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    kv_transfer_timeout_s: float = 30.0  # a reservation whose KV does not come is released
+    reserve_wait_s: float = 10.0  # how long a request waits for room on a decode rank
+    prefill_max_imbalance: int = 4096  # queued prompt tokens before affinity gives way to load
+    affinity_blocks: int = 1  # prompt blocks whose hash picks the preferred prefill rank
+    status_interval_s: float = 0.1  # how often the ranks' load is polled
+
+    def __post_init__(self) -> None:
+        for name in ("kv_transfer_timeout_s", "reserve_wait_s", "status_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"routing {name} must be > 0 (got {getattr(self, name)!r})")
+        if self.prefill_max_imbalance < 0 or self.affinity_blocks < 1:
+            raise ValueError(
+                "routing prefill_max_imbalance must be >= 0 and affinity_blocks >= 1 "
+                f"(got {self.prefill_max_imbalance!r}, {self.affinity_blocks!r})"
+            )
+
+
+@dataclass(slots=True)
+class _Route:
+    """Where one request runs, and what it holds on the ranks until the backend releases it."""
+
+    request: GenerateRequest
+    queue: asyncio.Queue  # the decode rank's deltas for it, or None for an abort
+    decode: int | None = None  # the decode rank holding its reservation (then its blocks)
+    prefill: int | None = None
+    first: RequestOutput | None = None  # the first token's delta, from the prefill rank
+    kv: Any = None  # the transport's handle of the prompt's KV until the decode rank has it
+    done: bool = False  # finished on a rank: nothing left to abort there
+    started: bool = False  # the decode rank took the request (its reservation is used)
+
+
 class ClusterBackend:
     def __init__(
         self,
@@ -63,22 +98,14 @@ class ClusterBackend:
         model_info: ModelInfo,
         tokenizer: Tokenizer,
         block_size: int,
-        kv_transfer_timeout_s: float = 30.0,
-        reserve_wait_s: float = 10.0,
-        prefill_max_imbalance: int = 4096,
-        affinity_blocks: int = 1,
-        status_interval_s: float = 0.1,
+        routing: RoutingConfig | None = None,
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self._model_info, self.tokenizer = model_info, tokenizer
         self.block_size = block_size
-        self.kv_transfer_timeout_s = kv_transfer_timeout_s
-        self.reserve_wait_s = reserve_wait_s
-        self.prefill_max_imbalance = prefill_max_imbalance
-        self.affinity_blocks = affinity_blocks
-        self.status_interval_s = status_interval_s
+        self.routing = routing or RoutingConfig()
         self.router_id = uuid.uuid4().hex
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._routes: dict[str, _Route] = {}
         self._prefill_load = [0] * len(prefill)  # prompt tokens this router has in flight
         self._decode_pending = [0] * len(decode)  # blocks reserved since the last status
         self._status: dict[tuple[str, int], RankStatus] = {}
@@ -111,13 +138,21 @@ class ClusterBackend:
     def model_info(self) -> ModelInfo:
         return self._model_info
 
+    def prompt_limits(self) -> PromptLimits:
+        """A prompt must fit the smallest KV cache of any rank that may hold it (both pools)."""
+        sizes = [s.kv_total_blocks for s in self._status.values() if s.kv_total_blocks > 0]
+        info = self._model_info
+        return PromptLimits(
+            info.vocab_size, info.max_model_len, self.block_size, min(sizes, default=1 << 62)
+        )
+
     async def status(self) -> ClusterStatus:
         await self._poll_status_once()
         pools = [
             PoolStatus(name, [self._status[(name, i)] for i in range(n)])
             for name, n in (("prefill", len(self.prefill)), ("decode", len(self.decode)))
         ]
-        return ClusterStatus(pools, num_in_flight=len(self._queues))
+        return ClusterStatus(pools, num_in_flight=len(self._routes))
 
     async def _poll_status_once(self) -> None:
         ranks = [("prefill", i, r) for i, r in enumerate(self.prefill)]
@@ -135,96 +170,112 @@ class ClusterBackend:
 
     async def _poll_status(self) -> None:
         while True:
-            await asyncio.sleep(self.status_interval_s)
+            await asyncio.sleep(self.routing.status_interval_s)
             with contextlib.suppress(Exception):
                 await self._poll_status_once()
 
     async def _read_stream(self, rank: DecodeRank) -> None:
         async for deltas in rank.stream(self.router_id):
             for delta in deltas:
-                queue = self._queues.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+                route = self._routes.get(delta.request_id)
+                if route is not None:
+                    route.queue.put_nowait(delta)
 
     # ---- requests ----
 
     async def abort(self, request_id: str) -> None:
-        queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(None)  # generate() sees it, aborts on the ranks, ends with "abort"
+        route = self._routes.get(request_id)
+        if route is not None:
+            route.queue.put_nowait(None)  # generate() sees it, aborts on the ranks, ends "abort"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        rid, prompt = request.request_id, request.prompt_token_ids
-        if rid in self._queues:
+        """Prefill phase (reserve on a decode rank, prefill, first token), then decode phase
+        (start on the decode rank, stream its deltas); releasing the route is the cleanup."""
+        rid = request.request_id
+        if rid in self._routes:
             raise ValueError(f"request id {rid!r} is already in flight")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
-        decode_idx: int | None = None
-        prefill_idx: int | None = None
-        kv = None  # the transport's handle of the prompt's KV, until the decode rank takes it
-        done = False
+        route = self._routes[rid] = _Route(request, asyncio.Queue())
         try:
-            decode_idx = await self._reserve(request)
-            prefill_idx = prefill_choice(
-                prefix_key(prompt, self.block_size, self.affinity_blocks),
-                self._prefill_load,
-                self.prefill_max_imbalance,
-            )
-            self._prefill_load[prefill_idx] += len(prompt)
-            try:
-                result = await self._within(
-                    request,
-                    self.prefill[prefill_idx].prefill(request, self.decode[decode_idx].kv_rank),
-                    abort_queue=queue,
-                )
-            finally:
-                self._prefill_load[prefill_idx] -= len(prompt)
-            if result is None:  # deadline or abort during the prefill
+            first = await self._prefill_phase(route)
+            if first is None:  # deadline or abort during the prefill
                 yield self._aborted(request)
-                return  # not done: the finally aborts on both ranks
-            first, kv = result
-            if first.finished:  # done on the prefill rank: release the decode reservation
-                done = True
-                await asyncio.shield(self.decode[decode_idx].abort(rid))
-            yield first
-            if done:
                 return
-            try:
-                handle, kv = kv, None
-                await self.decode[decode_idx].start(request, first, handle, self.router_id)
-            except Exception as e:
-                raise KVTransferFailed(
-                    f"the prompt's KV cache did not reach decode rank {decode_idx}: {e}"
-                ) from e
-            while True:
-                delta = await self._within(request, queue.get())
-                if delta is None:  # deadline or abort
-                    yield self._aborted(request)
-                    return
-                if delta.finished:
-                    done = True
-                yield delta
-                if done:
-                    return
+            yield first
+            if not route.done:
+                async for delta in self._decode_phase(route):
+                    yield delta
         finally:
-            self._queues.pop(rid, None)
-            if not done:  # cancelled, failed or aborted: free the blocks on both ranks
-                await asyncio.shield(self._abort_on_ranks(rid, prefill_idx, decode_idx))
-            if kv is not None:  # sent but never started: a p2p send must still be matched
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self.decode[decode_idx].discard_kv(kv))
+            del self._routes[rid]
+            await asyncio.shield(self._release(route))
+
+    async def _prefill_phase(self, route: _Route) -> RequestOutput | None:
+        """Reserve the prompt's blocks on a decode rank, run the prompt on a prefill rank; -> the
+        first token's delta, or None when the deadline passed or the request was aborted."""
+        request, prompt = route.request, route.request.prompt_token_ids
+        route.decode = await self._reserve(request)
+        cfg = self.routing
+        key = prefix_key(prompt, self.block_size, cfg.affinity_blocks)
+        route.prefill = prefill_choice(key, self._prefill_load, cfg.prefill_max_imbalance)
+        self._prefill_load[route.prefill] += len(prompt)
+        try:
+            kv_dst = self.decode[route.decode].kv_rank
+            call = self.prefill[route.prefill].prefill(request, kv_dst)
+            result = await self._within(request, call, abort_queue=route.queue)
+        finally:
+            self._prefill_load[route.prefill] -= len(prompt)
+        if result is None:
+            return None
+        route.first, route.kv = result
+        route.done = route.first.finished  # finished on the prefill rank (EOS, a stop, ...)
+        return route.first
+
+    async def _decode_phase(self, route: _Route) -> AsyncIterator[RequestOutput]:
+        """Hand the prompt's KV to the decode rank and stream its deltas until the finish, the
+        deadline or an abort."""
+        request, rank = route.request, self.decode[route.decode]
+        try:
+            handle, route.kv = route.kv, None
+            await rank.start(request, route.first, handle, self.router_id)
+        except Exception as e:
+            raise KVTransferFailed(
+                f"the prompt's KV cache did not reach decode rank {route.decode}: {e}"
+            ) from e
+        route.started = True
+        while not route.done:
+            delta = await self._within(request, route.queue.get())
+            if delta is None:  # deadline or abort
+                yield self._aborted(request)
+                return
+            route.done = delta.finished
+            yield delta
+
+    async def _release(self, route: _Route) -> None:
+        """However the request ended: abort it where it may still hold blocks (an unused decode
+        reservation included), and take delivery of a KV transfer nobody started."""
+        calls = []
+        if not route.done and route.prefill is not None:
+            calls.append(self.prefill[route.prefill].abort(route.request.request_id))
+        if route.decode is not None and not (route.done and route.started):
+            calls.append(self.decode[route.decode].abort(route.request.request_id))
+        if route.kv is not None:  # sent but never started: a p2p send must still be matched
+            calls.append(self.decode[route.decode].discard_kv(route.kv))
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.warning("cleanup of %s failed: %r", route.request.request_id, result)
 
     async def _reserve(self, request: GenerateRequest) -> int:
         """Reserve the prompt's blocks on the best decode rank with room, waiting for room up
         to reserve_wait_s. -> the decode rank."""
         needed = -(-(len(request.prompt_token_ids) + 1) // self.block_size)
-        give_up = time.monotonic() + self.reserve_wait_s
+        give_up = time.monotonic() + self.routing.reserve_wait_s
         while True:
             ranks = [self._status.get(("decode", i)) for i in range(len(self.decode))]
             live = [r or RankStatus("decode", i, False, 0, 0, 0, 0) for i, r in enumerate(ranks)]
             for i in decode_preference(live, self._decode_pending, needed):
                 ok = await self.decode[i].reserve(
-                    request.request_id, request.prompt_token_ids, self.kv_transfer_timeout_s
+                    request.request_id,
+                    request.prompt_token_ids,
+                    self.routing.kv_transfer_timeout_s,
                 )
                 if ok:
                     self._decode_pending[i] += needed
@@ -232,7 +283,7 @@ class ClusterBackend:
             if time.monotonic() > give_up:
                 raise RuntimeError(
                     f"no decode rank has room for {needed} KV blocks after "
-                    f"{self.reserve_wait_s:.0f} s"
+                    f"{self.routing.reserve_wait_s:.0f} s"
                 )
             await asyncio.sleep(0.05)
             await self._poll_status_once()
@@ -260,15 +311,3 @@ class ClusterBackend:
         return RequestOutput(
             request.request_id, [], "", "abort", len(request.prompt_token_ids), 0, 0
         )
-
-    async def _abort_on_ranks(
-        self, rid: str, prefill_idx: int | None, decode_idx: int | None
-    ) -> None:
-        calls = []
-        if prefill_idx is not None:
-            calls.append(self.prefill[prefill_idx].abort(rid))
-        if decode_idx is not None:
-            calls.append(self.decode[decode_idx].abort(rid))
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, BaseException):
-                log.warning("abort of %s failed: %r", rid, result)

@@ -19,6 +19,7 @@ from engine.messages import (
     RequestOutput,
     TokenLogprobs,
 )
+from engine.model_info import PromptLimits, check_prompt
 from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.tokenizer import Tokenizer
 from router.proto import epcluster_pb2 as pb
@@ -96,8 +97,11 @@ def generate_request_to_proto(
     return msg
 
 
-def prompt_token_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
-    """The request's prompt as token ids, checked against the vocabulary and the context."""
+def prompt_token_ids(
+    msg: pb.GenerateRequest, tokenizer: Tokenizer, limits: PromptLimits
+) -> list[int]:
+    """The request's prompt as token ids, checked as the engine checks it (check_prompt: the
+    vocabulary, the context, the smallest KV cache of the ranks)."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise ValueError("no prompt: set `text` or `token_ids`")
@@ -111,21 +115,14 @@ def prompt_token_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer, info: ModelI
         ids = list(msg.token_ids.ids)
         if not ids:
             raise ValueError("token_ids is empty: give at least one token id")
-        for i, t in enumerate(ids):
-            if not 0 <= t < info.vocab_size:
-                raise ValueError(
-                    f"token_ids[{i}] = {t} is out of range: ids must be in [0, {info.vocab_size})"
-                )
-    if len(ids) >= info.max_model_len:
-        raise ValueError(
-            f"prompt has {len(ids)} tokens but the model's context is {info.max_model_len}: "
-            f"shorten it to at most {info.max_model_len - 1} tokens"
-        )
-    return ids
+    return check_prompt(ids, limits)
 
 
 def generate_request_from_proto(
-    msg: pb.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo, deadline: float | None = None
+    msg: pb.GenerateRequest,
+    tokenizer: Tokenizer,
+    limits: PromptLimits,
+    deadline: float | None = None,
 ) -> GenerateRequest:
     """Validate and tokenize a Generate request; resolve its id (random when unset) and its seed
     (a random 63-bit one when unset, so the request is reproducible downstream)."""
@@ -145,15 +142,16 @@ def generate_request_from_proto(
             )
     else:
         request_id = uuid.uuid4().hex
-    ids = prompt_token_ids(msg, tokenizer, info)
+    ids = prompt_token_ids(msg, tokenizer, limits)
     try:
         params = sampling_params_from_proto(msg.sampling_params)
     except ValueError as e:
         raise ValueError(f"sampling_params: {e}") from None
     for t in params.stop_token_ids:
-        if t >= info.vocab_size:
+        if t >= limits.vocab_size:
             raise ValueError(
-                f"sampling_params: stop_token_ids holds {t}: ids must be in [0, {info.vocab_size})"
+                f"sampling_params: stop_token_ids holds {t}: "
+                f"ids must be in [0, {limits.vocab_size})"
             )
     if params.seed is None:
         params.seed = secrets.randbelow(MAX_SEED)

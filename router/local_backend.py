@@ -23,7 +23,7 @@ from engine.messages import (
     RequestOutput,
     StepResult,
 )
-from engine.model_info import build_model_info
+from engine.model_info import PromptLimits, build_model_info
 
 T = TypeVar("T")
 
@@ -49,6 +49,7 @@ class LocalBackend:
             engine.max_model_len,
             engine.config.torch_dtype,
         )
+        self._limits = engine.prompt_limits
         self._streams: dict[str, _Stream] = {}  # NOTE: touched on the engine thread only
         self._loop = EngineLoop(
             engine, self._publish, idle_wait_s, self._expire_deadlines, self._stopped
@@ -75,6 +76,9 @@ class LocalBackend:
 
     def model_info(self) -> ModelInfo:
         return self._model_info
+
+    def prompt_limits(self) -> PromptLimits:
+        return self._limits
 
     # ---- Backend API (asyncio) ----
 

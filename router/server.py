@@ -47,7 +47,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         deadline = time.time() + remaining if remaining is not None else None
         try:
             req = convert.generate_request_from_proto(
-                request, self.backend.tokenizer, self.backend.model_info(), deadline
+                request, self.backend.tokenizer, self.backend.prompt_limits(), deadline
             )
         except ValueError as e:
             await context.abort(_INVALID, str(e))

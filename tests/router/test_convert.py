@@ -1,5 +1,7 @@
 """Protobuf <-> engine dataclasses, and request validation (no server)."""
 
+import re
+
 import pytest
 
 from engine.messages import (
@@ -10,12 +12,14 @@ from engine.messages import (
     RequestOutput,
     TokenLogprobs,
 )
+from engine.model_info import PromptLimits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router import convert
 from router.proto import epcluster_pb2 as pb
 
 INFO = ModelInfo("m", "deepseek_v3", 300, 16, 3, 16, 4, 1, 480)
+LIMITS = PromptLimits(vocab_size=300, max_model_len=16, block_size=4, max_blocks=3)
 TOKENIZER = Tokenizer(None, 300, 1, None)  # raw bytes: "abc" -> [97, 98, 99]
 
 
@@ -29,7 +33,7 @@ def varint(n: int) -> bytes:
 
 
 def test_text_prompt_is_tokenized_and_defaults_apply():
-    req = convert.generate_request_from_proto(pb.GenerateRequest(text="abc"), TOKENIZER, INFO)
+    req = convert.generate_request_from_proto(pb.GenerateRequest(text="abc"), TOKENIZER, LIMITS)
     assert req.prompt_token_ids == [97, 98, 99]
     defaults = SamplingParams()
     assert (req.params.max_tokens, req.params.temperature, req.params.top_p) == (
@@ -42,12 +46,12 @@ def test_text_prompt_is_tokenized_and_defaults_apply():
 
 def test_unset_seed_is_resolved_to_a_random_63_bit_seed():
     msg = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]))
-    seeds = {convert.generate_request_from_proto(msg, TOKENIZER, INFO).seed for _ in range(8)}
+    seeds = {convert.generate_request_from_proto(msg, TOKENIZER, LIMITS).seed for _ in range(8)}
     assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
-    req = convert.generate_request_from_proto(msg, TOKENIZER, INFO)
+    req = convert.generate_request_from_proto(msg, TOKENIZER, LIMITS)
     assert req.params.seed == req.seed  # the engine downstream uses exactly this seed
     msg.sampling_params.seed = 7
-    assert convert.generate_request_from_proto(msg, TOKENIZER, INFO).seed == 7
+    assert convert.generate_request_from_proto(msg, TOKENIZER, LIMITS).seed == 7
 
 
 def test_sampling_params_round_trip():
@@ -85,7 +89,7 @@ def test_unknown_fields_are_found_with_their_path():
     assert list(msg.token_ids.ids) == [1] and msg.sampling_params.max_tokens == 3
     assert sorted(convert.unknown_fields(msg)) == ["#99", "sampling_params.#42", "token_ids.#7"]
     with pytest.raises(ValueError, match="does not know: .*#99"):
-        convert.generate_request_from_proto(msg, TOKENIZER, INFO)
+        convert.generate_request_from_proto(msg, TOKENIZER, LIMITS)
     assert convert.unknown_fields(pb.GenerateRequest(text="a")) == []
 
 
@@ -138,3 +142,24 @@ def test_cluster_status_round_trip_and_placement_summary():
     status.pools[0].ranks[0].expert_ids = {3: [1, 1], 2: [0, 1]}
     back = convert.cluster_status_from_proto(convert.cluster_status_to_proto(status))
     assert back.pools[0].ranks[0].expert_ids == {2: [0, 1]}
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([5, 300], "prompt token 1 is 300, out of range: ids must be in [0, 300)"),
+        ([5] * 16, "prompt has 16 tokens but the model's context is 16"),
+        # 12 tokens + 1 need 4 blocks of 4; the smallest cache holds 3: at most 11 tokens
+        ([5] * 12, "needs 4 KV blocks, but a KV cache here holds 3: shorten it to at most 11"),
+    ],
+)
+def test_prompts_get_the_engines_check(ids, message):
+    msg = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        convert.generate_request_from_proto(msg, TOKENIZER, LIMITS)
+    assert (
+        convert.generate_request_from_proto(
+            pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 11)), TOKENIZER, LIMITS
+        ).prompt_token_ids
+        == [5] * 11
+    )

@@ -152,7 +152,7 @@ INVALID = {
     "empty token list": (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids is empty"),
     "token id = vocab": (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 512])),
-        "token_ids[1] = 512 is out of range: ids must be in [0, 512)",
+        "prompt token 1 is 512, out of range: ids must be in [0, 512)",
     ),
     "negative token id": (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1])), "[0, 512)"),
     "prompt = context": (
@@ -340,6 +340,7 @@ class FailingBackend:
         self.inner = inner
         self.tokenizer = inner.tokenizer
         self.model_info, self.ready = inner.model_info, inner.ready
+        self.prompt_limits = inner.prompt_limits
         self.abort, self.status = inner.abort, inner.status
 
     async def generate(self, request):
