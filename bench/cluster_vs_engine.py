@@ -17,8 +17,8 @@ import torch
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # local Ray on loopback
 
-from bench.common import record, run_engine, workload  # noqa: E402
-from engine import SamplingParams  # noqa: E402
+from bench.common import record, run_engine, workload
+from engine import SamplingParams
 
 
 def run_cluster(model: str, requests, prefill: int, decode: int) -> tuple[float, dict]:

@@ -7,13 +7,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from engine.kv_transfer import KVTransport
 from engine.messages import GenerateRequest, RequestOutput, StepResult
 from engine.rank import Rank, RankConfig
 
 
 class DecodeWorker(Rank):
-    def __init__(self, config: RankConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
+        super().__init__(config, transport)
         self._streams: dict[str, asyncio.Queue] = {}  # router id -> lists of deltas
         self._owner: dict[str, str] = {}  # request id -> router id
 

@@ -8,16 +8,12 @@ unopened, to the decode call, so the bytes move between the two ranks' object st
 through the router.
 """
 
-import os
 from typing import Any, Protocol
 
 import torch
 
 from engine.messages import KVPayload
 from kernels.mla_attention import gather_latent
-
-# Test hook: a decode rank with this variable set fails every KV import (a broken transfer).
-FAIL_IMPORT_ENV = "EPCLUSTER_FAIL_KV_IMPORT"
 
 
 class KVTransferError(RuntimeError):
@@ -76,8 +72,6 @@ def import_kv(
 ) -> None:
     """Write rows start .. T-1 of data [L, T, C] into the request's blocks (rows before `start`
     are already there: prefix-cached blocks, shared with other requests, are left untouched)."""
-    if os.environ.get(FAIL_IMPORT_ENV):
-        raise KVTransferError(f"KV import failed ({FAIL_IMPORT_ENV} is set)")
     num_layers, num_tokens, width = data.shape
     assert num_layers == len(kv_caches) and width == kv_caches[0].shape[-1], data.shape
     block_size = kv_caches[0].shape[1]

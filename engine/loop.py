@@ -43,6 +43,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
         self.num_steps = 0
+        self.num_rounds = 0  # turns of the loop, steps or idle waits (a spinning loop shows)
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -91,6 +92,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self.num_rounds += 1
                 self._drain(0.0 if self._busy() else self.idle_wait_s)
                 if self._stop.is_set():
                     break

@@ -1,6 +1,7 @@
 """Runs one scheduled batch through the model over the paged latent cache, then samples.
 
-Legend: T tokens in the step, N requests, V vocab, L layers, B blocks, S block size, C latent width.
+Legend (kernels/__init__.py): T tokens in the step, B requests, D hidden, V vocab, L layers,
+NB cache blocks, BS block size, C latent width.
 """
 
 import torch
@@ -37,7 +38,7 @@ class ModelRunner:
                 device=config.device,
             )
             for _ in range(c.num_hidden_layers)
-        ]  # L x [B, S, C]
+        ]  # L x [NB, BS, C]
 
     def prepare(
         self, requests: list[Request], num_new: list[int]
@@ -73,7 +74,7 @@ class ModelRunner:
         return self.model.stages(input_ids, positions, kv=kv)
 
     def forward(self, requests: list[Request], num_new: list[int], split: bool) -> torch.Tensor:
-        """-> hidden [T, H] of the step's tokens, in order. With split, two micro-batches of
+        """-> hidden [T, D] of the step's tokens, in order. With split, two micro-batches of
         about equal token counts run interleaved (two-batch overlap)."""
         if not split:
             return run_interleaved([self._stages(requests, num_new)])[0]
@@ -91,10 +92,10 @@ class ModelRunner:
     ) -> SampleOutput | None:
         """Compute the step; sample for requests whose prompt is complete after it (in order of
         `requests`, skipping unfinished prefill chunks). None if nobody samples."""
-        hidden = self.forward(requests, num_new, split)  # [T, H]
+        hidden = self.forward(requests, num_new, split)  # [T, D]
         if not requests:
             return None
-        last = torch.tensor(num_new).cumsum(0) - 1  # [N] index of each request's last token
+        last = torch.tensor(num_new).cumsum(0) - 1  # [B] index of each request's last token
         samplers = [
             i
             for i, (r, n) in enumerate(zip(requests, num_new))

@@ -48,12 +48,13 @@ class RankConfig:
 
 
 class Rank(abc.ABC):
-    def __init__(self, config: RankConfig) -> None:
+    def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
+        """transport: how prompt KV travels (default: config.kv_transport, built at join)."""
         self.config = config
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
-        self.transport: KVTransport = ObjectStoreTransport()
+        self.transport: KVTransport | None = transport
 
     # ---- start-up ----
 
@@ -83,8 +84,9 @@ class Rank(abc.ABC):
                 world_size=c.num_ranks,
                 timeout=timedelta(seconds=c.dist_timeout_s),
             )
-        if c.kv_transport == "p2p":
-            self.transport = self._p2p_transport(kv_master)
+        if self.transport is None:
+            p2p = c.kv_transport == "p2p"
+            self.transport = self._p2p_transport(kv_master) if p2p else ObjectStoreTransport()
         self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks)
         self.loop = EngineLoop(self.engine, self._step_from_engine_thread).start()
 

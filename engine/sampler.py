@@ -1,6 +1,6 @@
 """Token sampling: temperature, top-k, top-p, min-p, then a seeded exponential race.
 
-Shape legend: N = rows (one per request being sampled), V = vocabulary size.
+Legend (kernels/__init__.py): B rows (one per request being sampled), V vocabulary.
 
 NOTE: sampling randomness is a pure function of (request seed, token position), never of a
 process-wide generator or of the batch: a row draws its noise from a generator seeded with
@@ -37,7 +37,7 @@ def noise_seed(seed: int, position: int) -> int:
 
 @dataclass(slots=True)
 class SampleOutput:
-    token_ids: torch.Tensor  # [N] int64
+    token_ids: torch.Tensor  # [B] int64
     logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
 
 
@@ -46,32 +46,32 @@ def filter_logits(
 ) -> torch.Tensor:
     """Set to -inf the logits that top-k, then top-p, then min-p remove (vLLM's order).
 
-    logits: [N, V] float32, already divided by the temperature.
-    top_k: [N] int64, <= 0 means off. top_p: [N] float32 in (0, 1]. min_p: [N] float32 in [0, 1].
-    Returns a new [N, V] float32 tensor. The top token of every row is always kept.
+    logits: [B, V] float32, already divided by the temperature.
+    top_k: [B] int64, <= 0 means off. top_p: [B] float32 in (0, 1]. min_p: [B] float32 in [0, 1].
+    Returns a new [B, V] float32 tensor. The top token of every row is always kept.
     """
     assert logits.dim() == 2 and logits.dtype == torch.float32, (logits.shape, logits.dtype)
     n, v = logits.shape
     assert top_k.shape == top_p.shape == min_p.shape == (n,)
     # Everything happens in descending order, where each filter is a prefix of the row.
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
     rank = torch.arange(v, device=logits.device)  # [V]
 
     # Step 1: top-k keeps the first k ranks (of tied logits at the boundary, some may be dropped).
-    k = torch.where(top_k > 0, top_k.clamp(max=v), v)  # [N]
+    k = torch.where(top_k > 0, top_k.clamp(max=v), v)  # [B]
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
 
     # Step 2: top-p keeps the smallest prefix with cumulative prob >= p: a token stays if the
     # probability mass strictly before it is < p. The first token has mass 0 before it, so it stays.
-    probs = sorted_logits.softmax(dim=-1)  # [N, V]
-    mass_before = probs.cumsum(dim=-1) - probs  # [N, V]
+    probs = sorted_logits.softmax(dim=-1)  # [B, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
     # Rounding can push the running sum past 1.0, so p = 1 must skip the filter, not compare.
     drop_p = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop_p, float("-inf"))
 
     # Step 3: min-p drops tokens below min_p * the top prob. The ratio of two kept probs does not
     # change with renormalisation, so compare in log space against the top logit.
-    threshold = sorted_logits[:, :1] + torch.log(min_p)[:, None]  # [N, 1]; -inf when min_p == 0
+    threshold = sorted_logits[:, :1] + torch.log(min_p)[:, None]  # [B, 1]; -inf when min_p == 0
     sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -80,9 +80,9 @@ def filter_logits(
 def _exponential_race(probs: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
     """argmax(probs / q) per row, q ~ Exp(1) iid, which samples token i with prob probs[i].
 
-    probs: [N, V] float32. Returns [N] int64.
+    probs: [B, V] float32. Returns [B] int64.
     """
-    q = torch.empty_like(probs)  # [N, V]
+    q = torch.empty_like(probs)  # [B, V]
     gen = torch.Generator(device=probs.device)
     for i, (seed, pos) in enumerate(zip(seeds, positions, strict=True)):
         gen.manual_seed(noise_seed(seed, pos))
@@ -120,12 +120,12 @@ def sample(
 ) -> SampleOutput:
     """Pick one token per row.
 
-    logits: [N, V], cast to float32. params, seeds, positions: length N; seeds[i] is the request's
+    logits: [B, V], cast to float32. params, seeds, positions: length B; seeds[i] is the request's
     seed (never None here: the engine draws one for seedless requests), positions[i] the index of
     the sampled token in the request's whole sequence (prompt + output).
     Greedy rows (temperature 0) take argmax of the raw logits, lowest index on ties.
     Logprobs come from log_softmax of the raw logits, before temperature and filtering.
-    Returns SampleOutput with token_ids [N] int64.
+    Returns SampleOutput with token_ids [B] int64.
     """
     assert logits.dim() == 2, logits.shape
     n = logits.shape[0]
@@ -133,7 +133,7 @@ def sample(
     logits = logits.float()
     device = logits.device
 
-    token_ids = logits.argmax(dim=-1)  # [N]; right for greedy rows, overwritten for the others
+    token_ids = logits.argmax(dim=-1)  # [B]; right for greedy rows, overwritten for the others
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         idx = torch.tensor(rows, device=device)

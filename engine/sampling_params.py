@@ -67,16 +67,14 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)):
-            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")  # noqa: TRY004
+            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")
         self.stop = list(self.stop)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r} in {self.stop!r}")
 
         if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(  # noqa: TRY004
-                f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}"
-            )
+            raise ValueError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
@@ -85,7 +83,7 @@ class SamplingParams:
                 )
 
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")  # noqa: TRY004
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS

@@ -16,4 +16,6 @@ kernels/, moe/ and engine/ (a module's own legend lists the letters it uses).
     G   expert groups                    X   most replicas of one expert
     S   physical expert slots of a pool  S_r = S / R slots on one rank
     R   ranks of a pool                  N   rows (token x k pairs) dispatched or received
+    ND  nodes                            Fo, Fi  out / in features of a weight matrix
+                                         Bo, Bi  128 x 128 scale blocks along Fo, Fi (FP8)
 """

@@ -1,6 +1,6 @@
 """DeepSeek MoE gate: scoring and (group-limited) top-k.
 
-Legend: T tokens, E routed experts, G expert groups, K experts per token.
+Legend (kernels/__init__.py): T tokens, E routed experts, G expert groups, K experts per token.
 """
 
 import torch

@@ -1,10 +1,10 @@
-"""RMSNorm. Shapes: [..., H] -> [..., H]."""
+"""RMSNorm. Shapes: [..., D] -> [..., D]."""
 
 import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H] any float dtype, weight [H] -> [..., H] in x's dtype.
+    """x [..., D] any float dtype, weight [D] -> [..., D] in x's dtype.
 
     Statistics in fp32, the weight applied after casting back (as DeepSeek and transformers do).
     """

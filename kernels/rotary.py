@@ -1,6 +1,6 @@
 """Rotary position embedding for the decoupled RoPE part of MLA.
 
-Legend: T tokens, H heads, D rope dims (even).
+Legend (kernels/__init__.py): T tokens, NH heads, Dr rope dims (even).
 """
 
 import torch
@@ -9,15 +9,15 @@ import torch
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] int -> cos, sin [T, D/2] fp32, scaled by attention_scaling (YaRN mscale)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    """positions [T] int -> cos, sin [T, Dr/2] fp32, scaled by attention_scaling (YaRN mscale)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dr/2]
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
 
 
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
 ) -> torch.Tensor:
-    """x [T, H, D] or [T, D]; cos, sin [T, D/2] -> same shape and dtype as x.
+    """x [T, NH, Dr] or [T, Dr]; cos, sin [T, Dr/2] -> same shape and dtype as x.
 
     interleaved: pairs are (x0, x1), (x2, x3), ... as in DeepSeek's released weights; the output is
     laid out de-interleaved (all first elements, then all second elements). Queries and keys get the

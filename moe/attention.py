@@ -1,7 +1,9 @@
 """Multi-head latent attention (MLA) over either no cache or a paged latent cache.
 
-Legend: T tokens in the flat batch, N sequences, H heads, R kv_lora_rank, P qk_rope_head_dim,
-Dn qk_nope_head_dim, Dv v_head_dim, C = R + P cached numbers per token, B blocks, S block size.
+Legend (kernels/__init__.py): T tokens of the flat batch, B sequences, D hidden, NH heads,
+Dn / Dr / Dv nope, rope and value head dims, Dc kv_lora_rank, C = Dc + Dr cached numbers per
+token, NB cache blocks, BS block size, M blocks per table, J context positions, Bd sequences
+that decode (one new token).
 """
 
 from dataclasses import dataclass, field
@@ -19,19 +21,19 @@ from moe.layers import RMSNorm
 class PagedKV:
     """Where a step's new tokens go in the paged latent cache, and what each sequence sees.
 
-    The flat batch holds N sequences back to back: sequence i contributes query_lens[i] new tokens
+    The flat batch holds B sequences back to back: sequence i contributes query_lens[i] new tokens
     and has context_lens[i] tokens once they are written (cached prefix + new).
     """
 
-    kv_caches: list[torch.Tensor]  # per layer [B, S, C]
-    slot_mapping: torch.Tensor  # [T] int64: block * S + offset for each new token
-    block_tables: torch.Tensor  # [N, M] int64, padded with a valid block id
+    kv_caches: list[torch.Tensor]  # per layer [NB, BS, C]
+    slot_mapping: torch.Tensor  # [T] int64: block * BS + offset for each new token
+    block_tables: torch.Tensor  # [B, M] int64, padded with a valid block id
     query_lens: list[int]
     context_lens: list[int]
     absorb: bool = True  # single-token queries use the latent (absorbed) path
-    decode_seqs: torch.Tensor = field(init=False)  # [Nd] sequences with one new token
-    decode_tokens: torch.Tensor = field(init=False)  # [Nd] their token index in the flat batch
-    decode_context_lens: torch.Tensor = field(init=False)  # [Nd]
+    decode_seqs: torch.Tensor = field(init=False)  # [Bd] sequences with one new token
+    decode_tokens: torch.Tensor = field(init=False)  # [Bd] their token index in the flat batch
+    decode_context_lens: torch.Tensor = field(init=False)  # [Bd]
     prefill_seqs: list[tuple[int, int, int, int]] = field(init=False)  # (seq, start, end, ctx)
 
     def __post_init__(self) -> None:
@@ -72,8 +74,8 @@ class MLAttention(nn.Module):
         )
         self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
         self.scale = c.softmax_scale
-        self.w_uk: torch.Tensor | None = None  # [H, Dn, R]
-        self.w_uv: torch.Tensor | None = None  # [H, Dv, R]
+        self.w_uk: torch.Tensor | None = None  # [NH, Dn, Dc]
+        self.w_uv: torch.Tensor | None = None  # [NH, Dv, Dc]
 
     def absorb_weights(self) -> None:
         """Split kv_b_proj into W_UK and W_UV for the latent decode path (after loading)."""
@@ -85,7 +87,8 @@ class MLAttention(nn.Module):
     def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> q_nope [T, H, Dn], q_pe [T, H, P], latent [T, C] (normed kv_c, roped k_pe)"""
+        """x [T, D] -> q_nope [T, NH, Dn], q_pe [T, NH, Dr], latent [T, C] (normed kv_c, then
+        roped k_pe)"""
         c = self.config
         if c.q_lora_rank is None:
             q = self.q_proj(x)
@@ -100,7 +103,7 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, latent
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [L, C] -> keys [L, H, Dn + P], values [L, H, Dv] (the naive MLA path)."""
+        """latent [J, C] -> keys [J, NH, Dn + Dr], values [J, NH, Dv] (the naive MLA path)."""
         c = self.config
         kv = self.kv_b_proj(latent[:, : c.kv_lora_rank]).view(latent.shape[0], self.num_heads, -1)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
@@ -115,11 +118,11 @@ class MLAttention(nn.Module):
         seq_lens: list[int] | None = None,
         kv: PagedKV | None = None,
     ) -> torch.Tensor:
-        """x [T, H] -> [T, H]. Without kv, the flat batch is whole sequences of seq_lens tokens."""
+        """x [T, D] -> [T, D]. Without kv, the flat batch is whole sequences of seq_lens tokens."""
         c = self.config
         q_nope, q_pe, latent = self._project(x, cos, sin)
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn + P]
-        out = x.new_empty(x.shape[0], self.num_heads, c.v_head_dim)  # [T, H, Dv]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, NH, Dn + Dr]
+        out = x.new_empty(x.shape[0], self.num_heads, c.v_head_dim)  # [T, NH, Dv]
         if kv is None:
             assert seq_lens is not None and sum(seq_lens) == x.shape[0]
             start = 0
@@ -129,11 +132,11 @@ class MLAttention(nn.Module):
                 start += n
             return self.o_proj(out.flatten(1))
 
-        cache = kv.kv_caches[self.layer]  # [B, S, C]
+        cache = kv.kv_caches[self.layer]  # [NB, BS, C]
         cache.view(-1, c.kv_cache_width)[kv.slot_mapping] = latent.to(cache.dtype)
         if kv.decode_seqs.numel():
             tok = kv.decode_tokens
-            q_lat = torch.einsum("thd,hdr->thr", q_nope[tok], self.w_uk)  # [Nd, H, R]
+            q_lat = torch.einsum("thd,hdr->thr", q_nope[tok], self.w_uk)  # [Bd, NH, Dc]
             o_lat = paged_latent_attention(
                 torch.cat([q_lat, q_pe[tok]], dim=-1),
                 cache,
@@ -141,7 +144,7 @@ class MLAttention(nn.Module):
                 kv.decode_context_lens,
                 self.scale,
                 c.kv_lora_rank,
-            )  # [Nd, H, R]
+            )  # [Bd, NH, Dc]
             out[tok] = torch.einsum("thr,hvr->thv", o_lat, self.w_uv).to(out.dtype)
         for seq, start, end, ctx in kv.prefill_seqs:
             k, v = self._expand(gather_latent(cache, kv.block_tables[seq], ctx).to(x.dtype))

@@ -1,7 +1,7 @@
 """Placement: where the routed experts of one pool live.
 
-Legend: L MoE layers, E logical experts, S physical slots (S % R == 0), R ranks, X max replicas,
-T tokens, K experts per token.
+Legend (kernels/__init__.py): L MoE layers, E logical experts, S physical slots (S % R == 0),
+R ranks, X max replicas, T tokens, K experts per token.
 
 Each MoE layer has S physical slots; slot s lives on rank s // (S // R) as that rank's local slot
 s % (S // R). A logical expert may fill several slots (replicas of a hot expert).

@@ -5,13 +5,14 @@ and the prompt's latent KV), and its blocks go back to the prefix cache."""
 import asyncio
 from typing import Any
 
+from engine.kv_transfer import KVTransport
 from engine.messages import GenerateRequest, KVPayload, RequestOutput, StepResult
 from engine.rank import Rank, RankConfig
 
 
 class PrefillWorker(Rank):
-    def __init__(self, config: RankConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
+        super().__init__(config, transport)
         # request id -> (first delta, its KV, or None when the request finished here)
         self._waiting: dict[str, asyncio.Future] = {}
 

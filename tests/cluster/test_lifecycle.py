@@ -1,30 +1,47 @@
-"""A cluster's life: health is NOT_SERVING until both pools are ready; a KV transfer that fails
-ends its request with an error and leaks no block; shutdown leaves no process behind."""
+"""A cluster's life: health is NOT_SERVING until both pools are ready; a prompt larger than a
+rank's KV cache gets INVALID_ARGUMENT (as in-process); shutdown leaves none of the processes it
+started behind (other Ray clusters on the machine are not this test's business)."""
 
-import subprocess
+import os
 import threading
 import time
 
 import grpc
+import psutil
 import pytest
 
 from engine import SamplingParams
-from engine.kv_transfer import FAIL_IMPORT_ENV
 from router.client import InferenceClient
 from tests.cluster.conftest import make_cluster, wait_quiet
-from tests.ep_harness import free_port
+from tests.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+RAY_NAMES = ("raylet", "gcs_server", "ray::", "default_worker", "ray/_private", "ray/dashboard")
 
-def ray_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [
-        line
-        for line in out.splitlines()
-        if any(k in line for k in ("raylet", "gcs_server", "ray::", "default_worker"))
-        and "<defunct>" not in line  # a zombie is already dead
-    ]
+
+def ray_descendants() -> dict[int, str]:
+    """This process's Ray descendants (GCS, raylet, and the workers under it): pid -> command."""
+    found = {}
+    for proc in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline()) or proc.name()
+            if proc.status() != psutil.STATUS_ZOMBIE and any(n in cmd for n in RAY_NAMES):
+                found[proc.pid] = cmd
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def watch_health(port: int, seen: list, stop: threading.Event) -> None:
@@ -46,12 +63,12 @@ def watch_health(port: int, seen: list, stop: threading.Event) -> None:
             time.sleep(0.05)
 
 
-def test_startup_health_failed_transfer_and_clean_shutdown():
-    assert not ray_processes(), "a Ray from an earlier test is still running"
+def test_startup_health_prompt_limits_and_clean_shutdown():
     port = free_port()
     seen: list = []
     stop = threading.Event()
-    cluster = make_cluster(port=port, prefill_ranks=1, decode_ranks=1, env={FAIL_IMPORT_ENV: "1"})
+    # 100 blocks of 16 tokens per rank (tiny: 3 layers x 40 numbers x 4 bytes per token)
+    cluster = make_cluster(port=port, prefill_ranks=1, decode_ranks=1, kv_cache_bytes=768_000)
     # NOTE: Ray first: its processes must not be forked while another thread is inside gRPC.
     cluster.start_ray()
     watcher = threading.Thread(target=watch_health, args=(port, seen, stop))
@@ -61,24 +78,27 @@ def test_startup_health_failed_transfer_and_clean_shutdown():
     finally:
         watcher.join(30)
         stop.set()
+    ours = ray_descendants()
+    assert any("raylet" in cmd for cmd in ours.values()), ours
     assert "NOT_SERVING" in seen, seen
     assert seen[-2:] == ["SERVING", "ranks ready at SERVING: [True, True]"], seen
     try:
         with InferenceClient(cluster.address, timeout=60) as client:
-            with pytest.raises(grpc.RpcError) as err:
-                client.complete(list(range(5, 60)), SamplingParams(max_tokens=8), timeout=60)
-            assert err.value.code() == grpc.StatusCode.INTERNAL
-            assert "KV cache did not reach decode rank" in err.value.details()
-            status = wait_quiet(client)  # no block reserved or held anywhere
-            assert all(
-                r.kv_used_blocks == 0 and r.num_reserved == 0 for p in status.pools for r in p.ranks
-            )
-            # the cluster still serves requests that finish on the prefill rank
-            out = client.complete([5, 6, 7], SamplingParams(max_tokens=1, temperature=0))
+            with pytest.raises(grpc.RpcError) as err:  # within the context (2048), not the cache
+                client.complete([5] * 1700, SamplingParams(max_tokens=8))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "needs 107 KV blocks, but a KV cache here holds 100" in err.value.details()
+            assert "at most 1599 tokens" in err.value.details()
+            out = client.complete([5] * 1599, SamplingParams(max_tokens=1, temperature=0))
             assert out.num_completion_tokens == 1
+            out = client.complete([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+            assert out.num_completion_tokens == 4
+            status = wait_quiet(client)
+            assert all(r.kv_used_blocks == 0 for p in status.pools for r in p.ranks)
     finally:
         cluster.shutdown()
+    ours.update(ray_descendants())  # workers started since
     end = time.monotonic() + 30
-    while ray_processes() and time.monotonic() < end:
+    while alive(ours) and time.monotonic() < end:
         time.sleep(0.5)
-    assert not ray_processes()
+    assert not alive(ours), {pid: ours[pid] for pid in alive(ours)}

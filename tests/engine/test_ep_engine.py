@@ -9,7 +9,7 @@ from engine.ep import build_ep_engine
 from moe.dispatch import AllToAllDispatcher
 from moe.placement import Placement
 from moe.presets import ensure_preset
-from tests.ep_harness import run_pool
+from tests.procs import run_ranks
 
 NUM_PROMPTS = 12
 
@@ -93,7 +93,7 @@ def all_on_rank0(i, num_ranks):
     ],
 )
 def test_ep_pool_matches_single_engine(expected, num_ranks, tbo, num_slots, share):
-    results = run_pool(ep_rank, num_ranks, tbo, num_slots, share)
+    results = run_ranks(ep_rank, num_ranks, tbo, num_slots, share)
     steps = {r["steps"] for r in results}
     assert len(steps) == 1  # lockstep: every rank took the same number of steps
     split_steps = {r["split_steps"] for r in results}

@@ -2,46 +2,18 @@
 experts, must reproduce the MoE layers of the full model (all experts local) on their own batches.
 """
 
-import socket
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe import load_model
 from moe.dispatch import AllToAllDispatcher, LocalDispatcher, install_expert_parallel
 from moe.eplb import rebalance_experts
 from moe.placement import Placement
 from moe.presets import ensure_preset
+from tests.procs import run_ranks
 
 HIDDEN, NUM_EXPERTS, TOP_K = 64, 16, 4
 MOE_LAYERS = (1, 2)  # the tiny preset: layer 0 is dense
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(worker, num_ranks: int, *args) -> None:
-    """Run worker(rank, num_ranks, port, *args) on num_ranks processes; a worker's exception
-    fails the test (spawn terminates the other ranks and re-raises)."""
-    mp.spawn(worker, args=(num_ranks, _free_port(), *args), nprocs=num_ranks, join=True)
-
-
-def _init(rank: int, num_ranks: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=num_ranks,
-        timeout=timedelta(seconds=60),
-    )
 
 
 def _hidden(case: int, rank: int, layer: int, num_tokens: int) -> torch.Tensor:
@@ -123,10 +95,9 @@ def _check_layout(rank: int, num_ranks: int, tokens: list[int]) -> None:
             assert torch.allclose(out, x * scale[:, None], rtol=1e-6, atol=1e-6)
 
 
-def _worker(rank: int, num_ranks: int, port: int, out_dir: Path) -> None:
+def _worker(rank: int, num_ranks: int) -> dict:
     """One spawn per pool size (process start-up dominates): the MoE cases, then the layout
     oracle, which raises in the rank where it fails."""
-    _init(rank, num_ranks, port)
     results = {}
     for case, (placement, tokens) in enumerate(CASES[num_ranks]):
         model = load_model("tiny", experts=placement.rank_experts(rank))
@@ -142,8 +113,7 @@ def _worker(rank: int, num_ranks: int, port: int, out_dir: Path) -> None:
         results["logits"] = model(ids)
     _check_layout(rank, num_ranks, LAYOUT_TOKENS[num_ranks])
     results["layout_checked"] = True
-    torch.save(results, out_dir / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -153,15 +123,13 @@ def full_model():
 
 
 @pytest.fixture(scope="module")
-def rank_results(full_model, tmp_path_factory):
+def rank_results(full_model):
     """num_ranks -> each rank's results, spawning the pool once per size."""
     done: dict[int, list[dict]] = {}
 
     def run(num_ranks: int) -> list[dict]:
         if num_ranks not in done:
-            out_dir = tmp_path_factory.mktemp(f"ep{num_ranks}")
-            _spawn(_worker, num_ranks, out_dir)
-            done[num_ranks] = [torch.load(out_dir / f"rank{r}.pt") for r in range(num_ranks)]
+            done[num_ranks] = run_ranks(_worker, num_ranks, timeout=110)
         return done[num_ranks]
 
     return run

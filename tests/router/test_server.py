@@ -258,13 +258,15 @@ def test_duplicate_request_id_in_flight(client):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'dup' is already in flight" in err.value.details()
     first.cancel()
-    end = time.monotonic() + 5
-    while True:  # once the first one is gone, the id is free again
+    for _ in range(200):  # once the first one is gone, the id is free again
         try:
             assert client.complete([8, 9], QUICK, request_id="dup").finish_reason == "length"
             break
         except grpc.RpcError as e:
-            assert "already in flight" in e.details() and time.monotonic() < end
+            assert "already in flight" in e.details()
+            time.sleep(0.05)
+    else:
+        raise AssertionError("the id of a cancelled request never became free")
 
 
 def test_unknown_field_in_other_rpcs(client):
@@ -325,11 +327,9 @@ def test_cancel_mid_stream_frees_the_kv_cache(client, backend):
 
 
 def test_deadline_ends_the_request_and_frees_the_kv_cache(client, backend):
-    start = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         client.complete([5, 6, 7], LONG, timeout=0.4)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - start < 3
     assert wait_idle(backend) == (False, 0)
 
 
