@@ -10,7 +10,6 @@ templates a RayCluster embeds are also checked against the built-in schemas of e
 Not checked: CEL rules (x-kubernetes-validations), formats, defaults.
 """
 
-from copy import deepcopy
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -66,8 +65,7 @@ def strict(schema: Obj) -> Obj:
 
 
 @cache
-def crd_schemas(folder: Path, make_strict: bool = True) -> dict[tuple[str, str], Obj]:
-    """(apiVersion, kind) -> the openAPIV3Schema of every CRD version under folder."""
+def _published(folder: Path) -> dict[tuple[str, str], Obj]:
     out = {}
     for path in sorted(folder.glob("*/*.yaml")):
         crd = yaml.load(path.read_text(), Loader=SafeLoader)
@@ -75,10 +73,16 @@ def crd_schemas(folder: Path, make_strict: bool = True) -> dict[tuple[str, str],
             continue
         spec = crd["spec"]
         for version in spec["versions"]:
-            schema = version["schema"]["openAPIV3Schema"]
             key = (f"{spec['group']}/{version['name']}", spec["names"]["kind"])
-            out[key] = strict(schema) if make_strict else deepcopy(schema)
+            out[key] = version["schema"]["openAPIV3Schema"]
     return out
+
+
+@cache
+def crd_schemas(folder: Path, make_strict: bool = True) -> dict[tuple[str, str], Obj]:
+    """(apiVersion, kind) -> the openAPIV3Schema of every CRD version under folder."""
+    published = _published(folder)
+    return {key: strict(s) if make_strict else s for key, s in published.items()}
 
 
 def validate_custom(obj: Obj, schemas: dict[tuple[str, str], Obj]) -> None:
