@@ -2,6 +2,7 @@
 launcher checks (its JSON schema, strict at the top level, and the provider's defaults merged
 in), and consistent with the router config it starts."""
 
+import re
 from copy import deepcopy
 
 import jsonschema
@@ -68,7 +69,12 @@ def test_pools_are_node_types_with_their_resource(launcher, config):
 
 def test_nodes_install_the_project_and_share_the_ray_token(launcher):
     setup = "\n".join(launcher["setup_commands"])
-    assert "pip install -q torch==" in setup
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()  # the same versions as the images
+    torch, ray = (
+        re.search(rf"^ARG {v}=(\S+)$", dockerfile, re.M)[1]
+        for v in ("TORCH_VERSION", "RAY_VERSION")
+    )
+    assert f'pip install -q torch=={torch} "ray[default]=={ray}"' in setup
     assert "pip install -q ~/epcluster" in setup
     assert "RAY_AUTH_MODE=token" in setup
     assert launcher["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
