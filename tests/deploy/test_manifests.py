@@ -111,3 +111,8 @@ def test_unknown_kind_is_an_error_not_a_pass(schema_folder):
     obj = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}
     with pytest.raises(kubernetes_validate.utils.SchemaNotFoundError):
         schemas.validate(obj, schema_folder, schemas.K8S_VERSIONS[0])
+
+
+def test_kubernetes_validate_ships_the_versions_we_claim():
+    shipped = {".".join(v.split(".")[:2]) for v in kubernetes_validate.utils.all_versions()}
+    assert set(schemas.K8S_VERSIONS) <= shipped, "pin kubernetes-validate to a release with them"
