@@ -81,8 +81,6 @@ def grouped_topk_ref(
 
 # ---- Triton ----------------------------------------------------------------------------------
 
-GROUP_NONE, GROUP_MAX, GROUP_TOP2 = 0, 1, 2  # how a group is ranked, if at all
-
 
 @jit
 def _grouped_topk_kernel(
@@ -102,13 +100,18 @@ def _grouped_topk_kernel(
     stride_it,
     SOFTMAX: tl.constexpr,
     BIAS: tl.constexpr,
-    GROUP_RANK: tl.constexpr,
+    GROUPED: tl.constexpr,
+    TOP2: tl.constexpr,
     NORM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One token: scores, group choice, top-k (by repeated argmax), weights."""
+    """One token: scores, group choice, top-k (by repeated argmax), weights.
+
+    GROUPED: keep the topk_group groups ranked by their best choice score, or with TOP2 by the
+    sum of their best two.
+    """
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
@@ -123,14 +126,14 @@ def _grouped_topk_kernel(
     if BIAS:
         choice += tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     choice = tl.where(valid, choice, float("-inf"))  # [BE]
-    if GROUP_RANK != GROUP_NONE:
+    if GROUPED:
         group = offs // group_size
         offs_g = tl.arange(0, BLOCK_G)
         group_scores = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         for g in range(n_group):
             member = tl.where(group == g, choice, float("-inf"))
             best = tl.max(member, axis=0)
-            if GROUP_RANK == GROUP_TOP2:  # drop the best once: a tie still counts twice
+            if TOP2:  # drop the best once: a tie still counts twice
                 best += tl.max(tl.where(offs == tl.argmax(member, axis=0), float("-inf"), member))
             group_scores = tl.where(offs_g == g, best, group_scores)
         keep = offs < 0  # [BE] all False
@@ -183,7 +186,6 @@ def grouped_topk_triton(
         assert bias.shape == (num_experts,) and bias.device == router_logits.device, bias.shape
     else:
         bias = None
-    rank = GROUP_NONE if not grouped else GROUP_TOP2 if topk_method == "noaux_tc" else GROUP_MAX
     weights = router_logits.new_empty(num_tokens, top_k, dtype=torch.float32)
     idx = router_logits.new_empty(num_tokens, top_k, dtype=torch.int64)
     if num_tokens == 0:
@@ -193,7 +195,8 @@ def grouped_topk_triton(
         router_logits, bias, weights, idx,
         num_experts, num_experts // n_group, n_group, topk_group, top_k, routed_scaling_factor,
         *router_logits.stride(), weights.stride(0), idx.stride(0),
-        SOFTMAX=scoring_func == "softmax", BIAS=topk_method == "noaux_tc", GROUP_RANK=rank,
+        SOFTMAX=scoring_func == "softmax", BIAS=topk_method == "noaux_tc", GROUPED=grouped,
+        TOP2=topk_method == "noaux_tc",
         NORM=norm_topk_prob, BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_G=triton.next_power_of_2(n_group), BLOCK_K=triton.next_power_of_2(top_k),
     )  # fmt: skip
