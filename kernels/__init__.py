@@ -1,5 +1,5 @@
 """Leaf ops. Each module holds one op: a plain-torch reference (the CPU path) and, where written,
-a Triton kernel behind the same function.
+a Triton kernel behind the same function (backend.py chooses between them).
 
 Shape legend, project-wide: a letter means the same thing in every docstring and `# [..]` tag of
 kernels/, moe/ and engine/ (a module's own legend lists the letters it uses).

@@ -1,0 +1,74 @@
+"""Which implementation a kernel call runs: the plain-torch reference or the Triton kernel.
+
+EPCLUSTER_KERNELS chooses, read at every call:
+  auto (default)  Triton for CUDA tensors when triton imports, else the reference;
+  reference       always the reference;
+  triton          always Triton. CPU tensors then run in Triton's interpreter, which must be on
+                  (TRITON_INTERPRET=1) before triton is first imported: tests/conftest.py does that
+                  on machines without CUDA.
+
+triton is optional: without it (macOS, minimal installs) `jit` leaves the kernels as plain
+functions that nothing calls, and only the references run. Kernel modules use
+`from __future__ import annotations` so that `tl.constexpr` annotations need no triton.
+"""
+
+import os
+from collections.abc import Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the references need no triton
+    triton = None
+    tl = None
+
+MODES = ("auto", "reference", "triton")
+ENV_VAR = "EPCLUSTER_KERNELS"
+
+
+def jit(fn: Callable) -> Callable:
+    """triton.jit where triton imports; otherwise the function itself (never launched)."""
+    return fn if triton is None else triton.jit(fn)
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get(ENV_VAR, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r}: must be one of {MODES}")
+    return mode
+
+
+def interpreting() -> bool:
+    """Whether triton was imported with its interpreter on (so kernels run on CPU tensors)."""
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # NOTE: the interpreter is chosen when triton's own library (tl.max ...) is decorated, at
+    # import; reading TRITON_INTERPRET now could disagree with what happened then.
+    return isinstance(tl.max, InterpretedFunction)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op on `x` (the tensor that decides its device) takes the Triton kernel."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if mode == "auto":
+        return x.is_cuda and triton is not None
+    if triton is None:
+        raise RuntimeError(f"{ENV_VAR}=triton, but triton does not import")
+    if not x.is_cuda and not interpreting():
+        raise RuntimeError(
+            f"{ENV_VAR}=triton on {x.device} tensors needs TRITON_INTERPRET=1 set before triton "
+            "is imported"
+        )
+    return True
+
+
+def fp32_dot(x: torch.Tensor) -> bool:
+    """Whether kernels cast tiles to fp32 before tl.dot: for fp32 data (then in IEEE precision,
+    not TF32), and always in the interpreter, whose bf16 dot is wrong."""
+    return x.dtype == torch.float32 or not x.is_cuda
