@@ -196,7 +196,8 @@ def _grouped_gemm_kernel(
 def _row_blocks(
     counts: torch.Tensor, num_rows: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """counts [S_r] int64 -> per row block: slot (-1 past the last block), first row, slot's end row.
+    """counts [S_r] int64 -> per row block: slot (-1 past the last block), first row, the slot's
+    end row.
 
     The G = ceil(N / block_m) + S entries bound sum(ceil(counts / block_m)) without reading
     counts on the host (no device sync); extra blocks get slot -1 and exit at once.

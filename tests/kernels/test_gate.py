@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from kernels.gate import grouped_topk_ref, grouped_topk_triton  # noqa: E402
+from kernels.gate import grouped_topk_ref, grouped_topk_triton
 
 
 def by_expert(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from kernels.mla_attention import (  # noqa: E402
+from kernels.mla_attention import (
     paged_latent_attention_ref,
     paged_latent_attention_triton,
 )
