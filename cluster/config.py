@@ -1,5 +1,8 @@
-"""ClusterConfig: a YAML file, then command-line flags over it. Checked once, at start."""
+"""ClusterConfig: a YAML file, then command-line flags over it. Checked once, at start: a wrong
+type, an unknown field, a bad value or malformed YAML fails with a message that names the field."""
 
+import types
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -13,16 +16,83 @@ class ConfigError(ValueError):
     """An invalid cluster config; the message names the field."""
 
 
+def _check_types(obj: object, prefix: str = "") -> None:
+    """Every field of a config dataclass holds a value of its annotated type (ints are accepted
+    for floats; bools are never numbers)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        value, hint = getattr(obj, f.name), hints[f.name]
+        if not _is_a(value, hint):
+            raise ConfigError(
+                f"{prefix}{f.name} must be {_describe(hint)} (got {type(value).__name__} {value!r})"
+            )
+
+
+def _is_a(value: object, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is dict:
+        key_t, value_t = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            _is_a(k, key_t) and _is_a(v, value_t) for k, v in value.items()
+        )
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    if origin is dict:
+        key_t, value_t = typing.get_args(hint)
+        return f"a mapping of {_describe(key_t)} to {_describe(value_t)}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )
+
+
+def _need(checks: list[tuple[bool, str, str]], obj: object, prefix: str = "") -> None:
+    for ok, name, why in checks:
+        if not ok:
+            raise ConfigError(f"{prefix}{name} {why} (got {getattr(obj, name)!r})")
+
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     num_ranks: int = 2  # the pool's expert-parallel size
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     two_batch_overlap: str = "auto"
+    # custom Ray resources each rank's bundle asks for, e.g. {"epcluster_prefill": 1}: a
+    # pool's ranks then land only on nodes (worker groups) that offer them
+    resources: dict[str, float] = field(default_factory=dict)
 
     def check(self, name: str) -> None:
-        if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
-            raise ConfigError(f"{name}.num_ranks must be an integer >= 1 (got {self.num_ranks!r})")
+        _check_types(self, f"{name}.")
+        _need(
+            [
+                (self.num_ranks >= 1, "num_ranks", "must be >= 1"),
+                (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+                (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
+                (
+                    self.two_batch_overlap in ("on", "off", "auto"),
+                    "two_batch_overlap",
+                    "must be on, off or auto",
+                ),
+                (all(v > 0 for v in self.resources.values()), "resources", "must be > 0 each"),
+            ],
+            self,
+            f"{name}.",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,46 +103,77 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     kv_cache_bytes: int = 256 * 2**20  # per rank
     block_size: int = 16
+    max_model_len: int | None = None  # None: the model's; lowered to what every cache holds
     enable_prefix_caching: bool = True
     host: str = "127.0.0.1"  # gRPC
     port: int = 50051
     ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join
-    gpus_per_rank: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    gpus_per_rank: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
     cpus_per_rank: float = 0.5  # CPU share of a rank's bundle
     torch_threads: int = 1  # per rank process
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
-    kv_transfer_timeout_s: float = 30.0
+    kv_transfer_timeout_s: float = 30.0  # a decode reservation's lease, renewed by the router
     kv_transport: str = "object_store"  # or "p2p": torch.distributed send/recv between ranks
+    reserve_wait_s: float = 10.0  # a request waits this long for decode KV room (then 429-like)
+    rank_call_timeout_s: float = 30.0  # every control call to a rank (reserve, start, status...)
+    rank_stall_timeout_s: float = 30.0  # a rank with work and no progress for this long is hung
+    collective_timeout_s: float = 60.0  # torch.distributed collectives inside a pool
+    recovery_wait_s: float = 120.0  # a request waits this long for a re-forming pool
+    max_resumes: int = 3  # times one request is resumed after rank failures
+    drain_timeout_s: float = 30.0  # SIGTERM / Ctrl-C: in-flight streams get this long to finish
     start_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the rank actors
 
     def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            if not isinstance(getattr(self, name), PoolConfig):
+                raise ConfigError(f"{name} must be a mapping of pool fields")
         self.prefill.check("prefill")
         self.decode.check("decode")
-        checks = [
-            (self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0"),
-            (self.block_size >= 1, "block_size", "must be >= 1"),
-            (0 <= self.port < 65536, "port", "must be in [0, 65536)"),
-            (self.cpus_per_rank > 0, "cpus_per_rank", "must be > 0"),
-            (self.torch_threads >= 1, "torch_threads", "must be >= 1"),
-            (self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s", "must be > 0"),
-            (self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1"),
-            (
-                self.kv_transport in ("object_store", "p2p"),
-                "kv_transport",
-                "must be object_store or p2p",
-            ),
+        _check_types(self)
+        positive = [
+            "kv_cache_bytes",
+            "cpus_per_rank",
+            "kv_transfer_timeout_s",
+            "reserve_wait_s",
+            "rank_call_timeout_s",
+            "rank_stall_timeout_s",
+            "collective_timeout_s",
+            "recovery_wait_s",
+            "drain_timeout_s",
+            "start_timeout_s",
         ]
-        for ok, name, why in checks:
-            if not ok:
-                raise ConfigError(f"{name} {why} (got {getattr(self, name)!r})")
+        _need(
+            [(getattr(self, name) > 0, name, "must be > 0") for name in positive]
+            + [
+                (self.block_size >= 1, "block_size", "must be >= 1"),
+                (0 <= self.port < 65536, "port", "must be in [0, 65536)"),
+                (self.torch_threads >= 1, "torch_threads", "must be >= 1"),
+                (self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1"),
+                (self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1"),
+                (self.max_resumes >= 0, "max_resumes", "must be >= 0"),
+                (
+                    self.gpus_per_rank is None or self.gpus_per_rank >= 0,
+                    "gpus_per_rank",
+                    "must be null or >= 0",
+                ),
+                (
+                    self.kv_transport in ("object_store", "p2p"),
+                    "kv_transport",
+                    "must be object_store or p2p",
+                ),
+            ],
+            self,
+        )
         try:
             self.engine_config("prefill")
         except ValueError as e:
             raise ConfigError(str(e)) from e
 
     def engine_config(self, pool: str) -> EngineConfig:
+        """The engine of a rank of `pool`. NOTE: call it on a resolved config (resolve_gpus):
+        gpus_per_rank None means "not decided yet" and gives a CPU engine."""
         p: PoolConfig = getattr(self, pool)
         device = "cuda" if (self.gpus_per_rank or 0) > 0 else "cpu"
         return EngineConfig(
@@ -83,46 +184,58 @@ class ClusterConfig:
             kv_cache_bytes=self.kv_cache_bytes,
             max_num_seqs=p.max_num_seqs,
             max_num_batched_tokens=p.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             two_batch_overlap=p.two_batch_overlap,
         )
 
+    def resolve_gpus(self, cluster_gpus: float) -> "ClusterConfig":
+        """gpus_per_rank decided from what the Ray cluster offers (1 per rank when it has GPUs)."""
+        if self.gpus_per_rank is not None:
+            return self
+        return replace(self, gpus_per_rank=1.0 if cluster_gpus >= 1 else 0.0)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ClusterConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"unknown config fields {unknown}; known: {sorted(known)}")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"the config must be a mapping of fields, got {type(raw).__name__}")
         data = dict(raw)
+        _reject_unknown(data, cls, "")
         for pool in ("prefill", "decode"):
-            if isinstance(data.get(pool), dict):
-                pool_known = {f.name for f in fields(PoolConfig)}
-                bad = sorted(set(data[pool]) - pool_known)
-                if bad:
-                    raise ConfigError(
-                        f"unknown fields {bad} in {pool}; known: {sorted(pool_known)}"
-                    )
-                data[pool] = PoolConfig(**data[pool])
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ConfigError(str(e)) from e
+            if pool not in data:
+                continue
+            if not isinstance(data[pool], dict):
+                raise ConfigError(f"{pool} must be a mapping of pool fields, got {data[pool]!r}")
+            _reject_unknown(data[pool], PoolConfig, f"{pool}.")
+            data[pool] = PoolConfig(**data[pool])
+        return cls(**data)
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> "ClusterConfig":
         """The YAML file (if any), then the non-None overrides; `prefill_ranks` and
         `decode_ranks` set the pools' sizes."""
-        raw = yaml.safe_load(Path(path).read_text()) if path else {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the config must be a mapping")
-        config = cls.from_dict(raw or {})
+        raw: Any = {}
+        if path:
+            try:
+                raw = yaml.safe_load(Path(path).read_text()) or {}
+            except OSError as e:
+                raise ConfigError(f"cannot read the config file {path}: {e.strerror}") from e
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        config = cls.from_dict(raw)
         pools = {}
         for pool in ("prefill", "decode"):
             n = overrides.pop(f"{pool}_ranks", None)
             if n is not None:
                 pools[pool] = replace(getattr(config, pool), num_ranks=n)
         overrides = {k: v for k, v in overrides.items() if v is not None}
-        try:
-            return replace(config, **pools, **overrides)
-        except TypeError as e:
-            raise ConfigError(str(e)) from e
+        _reject_unknown(overrides, cls, "")
+        return replace(config, **pools, **overrides)
+
+
+def _reject_unknown(data: dict[str, Any], cls: type, prefix: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        names = ", ".join(f"{prefix}{u}" for u in unknown)
+        raise ConfigError(f"unknown config field {names}; known fields: {sorted(known)}")

@@ -8,7 +8,6 @@ import time
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.handles import DecodeHandle, PrefillHandle
 from cluster.pool import Pool
 from engine.model_info import build_model_info
 from engine.tokenizer import load_tokenizer
@@ -16,6 +15,7 @@ from moe.config import ModelConfig
 from moe.loader import resolve_model_path
 from router.admission import AdmissionConfig
 from router.cluster_backend import ClusterBackend, RoutingConfig
+from router.pools import HealthConfig
 from router.server import RouterServer, serve
 
 log = logging.getLogger(__name__)
@@ -37,31 +37,36 @@ class Cluster:
     def start(self) -> "Cluster":
         """Start (or join) Ray, start both pools, open the router; returns once both pools are
         ready and the health service says SERVING. Raises (after cleaning up) on failure."""
-        c = self.config
         try:
             started = time.monotonic()
             self.start_ray()
+            self.config = c = self.config.resolve_gpus(ray.cluster_resources().get("GPU", 0))
             path = resolve_model_path(c.model)  # presets are written before the ranks race
             mc = ModelConfig.from_file(path)
             self.pools = {name: Pool(name, c) for name in ("prefill", "decode")}
             self.backend = ClusterBackend(
-                [PrefillHandle(a) for a in self.pools["prefill"].actors],
-                [
-                    DecodeHandle(a, self.pools["decode"].kv_offset + i)
-                    for i, a in enumerate(self.pools["decode"].actors)
-                ],
+                self.pools["prefill"].handles(),
+                self.pools["decode"].handles(),
                 build_model_info(
                     c.model, mc, mc.max_position_embeddings, c.engine_config("decode").torch_dtype
                 ),
                 load_tokenizer(path, mc.vocab_size, mc.eos_token_id, mc.bos_token_id),
                 c.block_size,
-                RoutingConfig(kv_transfer_timeout_s=c.kv_transfer_timeout_s),
+                RoutingConfig(
+                    kv_lease_s=c.kv_transfer_timeout_s,
+                    reserve_wait_s=c.reserve_wait_s,
+                    recovery_wait_s=c.recovery_wait_s,
+                    max_resumes=c.max_resumes,
+                ),
+                HealthConfig(stall_timeout_s=c.rank_stall_timeout_s),
+                control=self,
             )
             self.server = serve(
                 self.backend,
                 c.host,
                 c.port,
                 admission=AdmissionConfig(c.max_queued_requests, c.max_queued_tokens),
+                ready_wait_s=c.recovery_wait_s,
             )
             self.server.call(asyncio.wait_for(self._start_pools(), c.start_timeout_s))
             if not self.server.wait_ready(30):
@@ -78,6 +83,23 @@ class Cluster:
             kv_master = await self.pools["prefill"].kv_master()
         await asyncio.gather(*(pool.start(kv_master) for pool in self.pools.values()))
         await self.backend.start()
+
+    async def reform(self, name: str) -> list:
+        """PoolControl: replace every rank of the pool `name` (the router calls this after one
+        of them died or hung); -> the new rank handles. With the p2p KV transport, the other
+        pool's ranks join the new KV group too."""
+        pool = self.pools[name]
+        started = time.monotonic()
+        if self.config.kv_transport != "p2p":
+            await pool.reform()
+        else:
+            other = self.pools["decode" if name == "prefill" else "prefill"]
+            kv_master = await other.kv_master()
+            await asyncio.gather(
+                pool.reform(kv_master), *(a.rejoin_kv.remote(kv_master) for a in other.actors)
+            )
+        log.info("%s pool re-formed in %.1f s", name, time.monotonic() - started)
+        return pool.handles()
 
     def start_ray(self) -> None:
         """Start a local Ray (or join config.ray_address); start() does this first."""
@@ -100,13 +122,13 @@ class Cluster:
             ray.init(address=c.ray_address, log_to_driver=False)
         self._owns_ray = True
 
-    def shutdown(self) -> None:
-        """Stop the router (in-flight requests are aborted), kill the ranks, free the placement
-        groups, and stop Ray if this cluster started it. Idempotent."""
+    def shutdown(self, drain_s: float | None = None) -> None:
+        """Drain the router (no new requests; in-flight streams get drain_s, by default the
+        config's drain_timeout_s, to finish, then are aborted), kill the ranks, free the
+        placement groups, and stop Ray if this cluster started it. Idempotent."""
         if self.server is not None:
-            if self.backend is not None:
-                self.server.call(self.backend.close())
-            self.server.stop(grace=1.0)
+            grace = self.config.drain_timeout_s if drain_s is None else drain_s
+            self.server.stop(grace, then=self.backend.close() if self.backend else None)
             self.server = None
         for pool in self.pools.values():
             pool.shutdown()

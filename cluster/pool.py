@@ -1,5 +1,11 @@
 """A worker pool on Ray: one placement group with a bundle per rank, one actor per rank, and the
-ranks joined into one torch.distributed group (the pool's expert-parallel group)."""
+ranks joined into one torch.distributed group (the pool's expert-parallel group).
+
+Re-forming a pool (after a rank died or hung) replaces every rank: the old actors are killed,
+new ones take the same bundles, and they join a new process group at a new rendezvous (a
+communicator cannot be repaired in place: NCCL's cannot, and gloo's has lost a peer), loading
+the experts of the current placement.
+"""
 
 import asyncio
 import logging
@@ -11,6 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig
+from cluster.handles import DecodeHandle, PrefillHandle
 from decode_workers import DecodeWorker
 from engine.messages import RankStatus
 from engine.rank import RankConfig
@@ -18,6 +25,7 @@ from prefill_workers import PrefillWorker
 
 log = logging.getLogger(__name__)
 WORKERS = {"prefill": PrefillWorker, "decode": DecodeWorker}
+KVMaster = tuple[str, int, int]  # the KV group's store: address, port, the kv rank hosting it
 
 
 def _free_port() -> int:
@@ -28,27 +36,35 @@ def _free_port() -> int:
 
 class Pool:
     def __init__(self, name: str, config: ClusterConfig) -> None:
+        """config: resolved (ClusterConfig.resolve_gpus)."""
+        assert config.gpus_per_rank is not None, "resolve gpus_per_rank first"
         self.name, self.config = name, config
-        self.num_ranks = getattr(config, name).num_ranks
+        pool = getattr(config, name)
+        self.num_ranks = pool.num_ranks
         # Index of each rank in the cluster-wide KV transport group: prefill ranks, then decode.
         self.kv_offset = 0 if name == "prefill" else config.prefill.num_ranks
-        kv_world = config.prefill.num_ranks + config.decode.num_ranks
-        gpus = config.gpus_per_rank
-        if gpus is None:
-            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-        self.gpus_per_rank = gpus
-        bundle = {"CPU": config.cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        self.generation = 0
+        bundle = {"CPU": config.cpus_per_rank, **pool.resources}
+        if config.gpus_per_rank:
+            bundle["GPU"] = config.gpus_per_rank
         self.placement_group = placement_group(
             [bundle] * self.num_ranks, strategy="PACK", name=f"epcluster-{name}"
         )
-        actor_cls = ray.remote(WORKERS[name])
-        env = {"OMP_NUM_THREADS": str(config.torch_threads), **config.env}
-        engine = config.engine_config(name)
-        self.actors = [
+        self.actors = self._create_actors()
+
+    def _create_actors(self) -> list:
+        c = self.config
+        actor_cls = ray.remote(WORKERS[self.name])
+        env = {"OMP_NUM_THREADS": str(c.torch_threads), **c.env}
+        engine = c.engine_config(self.name)
+        kv_world = c.prefill.num_ranks + c.decode.num_ranks
+        suffix = f"-g{self.generation}" if self.generation else ""
+        return [
             actor_cls.options(
-                num_cpus=config.cpus_per_rank,
-                num_gpus=gpus,
-                name=f"epcluster-{name}-{r}",
+                num_cpus=c.cpus_per_rank,
+                num_gpus=c.gpus_per_rank,
+                resources=getattr(c, self.name).resources,
+                name=f"epcluster-{self.name}-{r}{suffix}",
                 max_concurrency=1000,
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -56,12 +72,13 @@ class Pool:
                 ),
             ).remote(
                 RankConfig(
-                    name,
+                    self.name,
                     r,
                     self.num_ranks,
                     engine,
-                    config.torch_threads,
-                    kv_transport=config.kv_transport,
+                    c.torch_threads,
+                    dist_timeout_s=c.collective_timeout_s,
+                    kv_transport=c.kv_transport,
                     kv_rank=self.kv_offset + r,
                     kv_world=kv_world,
                 )
@@ -69,11 +86,21 @@ class Pool:
             for r in range(self.num_ranks)
         ]
 
-    async def kv_master(self) -> tuple[str, int]:
-        """An address for the cluster-wide KV transport group's store (on this pool's rank 0)."""
-        return await self.actors[0].__ray_call__.remote(_node_address_and_port)
+    def handles(self) -> list[PrefillHandle] | list[DecodeHandle]:
+        timeout = self.config.rank_call_timeout_s
+        if self.name == "prefill":
+            return [PrefillHandle(a, self.name, r, timeout) for r, a in enumerate(self.actors)]
+        return [
+            DecodeHandle(a, self.name, r, timeout, self.kv_offset + r)
+            for r, a in enumerate(self.actors)
+        ]
 
-    async def start(self, kv_master: tuple[str, int] | None = None) -> list[RankStatus]:
+    async def kv_master(self) -> KVMaster:
+        """An address for the cluster-wide KV transport group's store, on this pool's rank 0."""
+        addr, port = await self.actors[0].__ray_call__.remote(_node_address_and_port)
+        return addr, port, self.kv_offset
+
+    async def start(self, kv_master: KVMaster | None = None) -> list[RankStatus]:
         """Wait for the placement, form the process group, load the experts; -> per-rank
         readiness (every rank calls init at once: the group forms when all have joined)."""
         await self.placement_group.ready()
@@ -90,9 +117,20 @@ class Pool:
             )
         return statuses
 
-    def shutdown(self) -> None:
+    async def reform(self, kv_master: KVMaster | None = None) -> None:
+        """Replace every rank: kill the old actors, start new ones in the same bundles, and
+        join them at a new rendezvous."""
+        self.kill_actors()
+        self.generation += 1
+        self.actors = self._create_actors()
+        await self.start(kv_master)
+
+    def kill_actors(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+
+    def shutdown(self) -> None:
+        self.kill_actors()
         remove_placement_group(self.placement_group)
 
 

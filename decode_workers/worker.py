@@ -1,8 +1,14 @@
 """DecodeWorker: one decode rank. Requests arrive in two calls: `reserve` (before the prefill
 starts, so the KV never arrives to a full cache) and `start` (with the first token and the KV).
-Deltas go out through one stream per router: a list of deltas per step, not a call per token."""
+Deltas go out through one stream per router: a list of deltas per step, not a call per token.
+
+Every router holds a lease here, renewed with its reservations (`renew`): a router that stops
+renewing (it died) loses its requests and reservations after the lease, so nothing it left
+behind holds blocks for good.
+"""
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,12 +23,30 @@ class DecodeWorker(Rank):
         super().__init__(config, transport)
         self._streams: dict[str, asyncio.Queue] = {}  # router id -> lists of deltas
         self._owner: dict[str, str] = {}  # request id -> router id
+        self._leases: dict[str, float] = {}  # router id -> time.monotonic() its lease ends
+        self._reaper: asyncio.Task | None = None
 
-    async def reserve(self, request_id: str, prompt_token_ids: list[int], timeout_s: float) -> bool:
-        """Hold blocks for the prompt; False if there is no room. Released if `start` does not
-        come within timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        return await self.call(lambda e: e.reserve(request_id, prompt_token_ids, deadline))
+    @property
+    def num_pending(self) -> int:
+        return len(self._owner)
+
+    async def reserve(
+        self, request_id: str, token_ids: list[int], lease_s: float, router_id: str = ""
+    ) -> bool:
+        """Hold blocks for token_ids (the prompt, and a resumed request's earlier output);
+        False if there is no room. Released unless renewed or started within lease_s."""
+        self._renew_router(router_id, lease_s)
+        deadline = time.monotonic() + lease_s
+        return await self.call(lambda e: e.reserve(request_id, token_ids, deadline))
+
+    async def renew(self, router_id: str, request_ids: list[str], lease_s: float) -> int:
+        """The router is alive, and these reservations are still wanted for lease_s more
+        seconds; -> how many of them are still held."""
+        self._renew_router(router_id, lease_s)
+        deadline = time.monotonic() + lease_s
+        if not request_ids:
+            return 0
+        return await self.call(lambda e: e.reservations.renew(request_ids, deadline))
 
     async def start(
         self, request: GenerateRequest, first: RequestOutput, kv_handle: Any, router_id: str
@@ -34,11 +58,7 @@ class DecodeWorker(Rank):
         self._owner[rid] = router_id
         try:
             kv = await asyncio.to_thread(self.transport.receive, kv_handle)
-            await self.call(
-                lambda e: e.start_prefilled(
-                    rid, request.prompt_token_ids, request.params, request.seed, first, kv
-                )
-            )
+            await self.call(lambda e: e.start_prefilled(request, first, kv))
         except BaseException:
             self._owner.pop(rid, None)
             await asyncio.shield(self.abort(rid))
@@ -50,19 +70,27 @@ class DecodeWorker(Rank):
         await asyncio.to_thread(self.transport.discard, kv_handle)
 
     async def abort(self, request_id: str) -> None:
-        await self.call(lambda e: e.abort_request(request_id))
+        self._owner.pop(request_id, None)
+        if self.loop is not None and self.loop.alive:
+            await self.call(lambda e: e.abort_request(request_id))
 
-    async def register_router(self, router_id: str) -> None:
+    async def register_router(self, router_id: str, lease_s: float = 60.0) -> None:
         """Open the router's delta queue (before its first request, so nothing is dropped)."""
         self._streams.setdefault(router_id, asyncio.Queue())
+        self._renew_router(router_id, lease_s)
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_routers())
 
     async def stream(self, router_id: str) -> AsyncIterator[list[RequestOutput]]:
         """The deltas of this router's requests, one list per engine step (a Ray streaming
-        generator: the router keeps one open per decode rank)."""
+        generator: the router keeps one open per decode rank). Raises when the engine stops."""
         queue = self._streams.setdefault(router_id, asyncio.Queue())
         try:
             while True:
-                yield await queue.get()
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
             if self._streams.get(router_id) is queue:
                 del self._streams[router_id]
@@ -80,3 +108,27 @@ class DecodeWorker(Rank):
             queue = self._streams.get(router)
             if queue is not None:
                 queue.put_nowait(deltas)
+
+    def on_engine_stopped(self, error: BaseException | None) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(RuntimeError(f"decode rank {self.config.rank} stopped: {error!r}"))
+
+    # ---- router leases ----
+
+    def _renew_router(self, router_id: str, lease_s: float) -> None:
+        if router_id:
+            self._leases[router_id] = max(
+                self._leases.get(router_id, 0.0), time.monotonic() + lease_s
+            )
+
+    async def _reap_routers(self) -> None:
+        """Abort the requests of routers whose lease ran out (they died or lost us)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for router_id in [r for r, end in self._leases.items() if end < now]:
+                del self._leases[router_id]
+                self._streams.pop(router_id, None)
+                for rid in [r for r, owner in self._owner.items() if owner == router_id]:
+                    with contextlib.suppress(Exception):
+                        await self.abort(rid)

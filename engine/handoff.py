@@ -14,9 +14,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.detokenizer import update_text
 from engine.kv_transfer import KVTransferError, import_kv
-from engine.messages import KVPayload, RequestOutput
+from engine.messages import GenerateRequest, KVPayload, RequestOutput
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 
@@ -62,6 +61,14 @@ class Reservations:
             self.block_manager.free(held.block_table)
         return held is not None
 
+    def renew(self, request_ids: list[str], deadline: float) -> int:
+        """Push the deadline of these reservations to `deadline` (a lease the router renews
+        while their prefill runs); -> how many are still held."""
+        held = [self._book[rid] for rid in request_ids if rid in self._book]
+        for r in held:
+            r.deadline = max(r.deadline, deadline)
+        return len(held)
+
     def expire(self, now: float) -> list[str]:
         """Release the reservations whose deadline has passed; -> their ids."""
         expired = [rid for rid, r in self._book.items() if r.deadline < now]
@@ -71,45 +78,46 @@ class Reservations:
 
     def start(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        seed: int,
+        request: GenerateRequest,
         first: RequestOutput,
         kv: KVPayload,
         arrival: int,
         tokenizer: Tokenizer,
     ) -> Request:
-        """Import the prompt's KV into the request's reserved blocks -> the request, running,
-        with its first token (already sent to the client by the prefill rank). Raises
-        KVTransferError, with the reservation released, if the KV does not fit."""
-        held = self._book.pop(request_id, None)
+        """Import the prompt's KV (and a resumed request's earlier output's) into the request's
+        reserved blocks -> the request, running, with its first token (already sent to the
+        client by the prefill rank). Raises KVTransferError, with the reservation released, if
+        the KV does not fit."""
+        rid, known = request.request_id, request.known_token_ids
+        held = self._book.pop(rid, None)
         if held is None:
-            raise KVTransferError(f"request {request_id!r} holds no reservation (expired?)")
+            raise KVTransferError(f"request {rid!r} holds no reservation (expired?)")
         try:
-            if kv.num_tokens != len(prompt_token_ids):
+            if kv.num_tokens != len(known):
                 raise KVTransferError(
-                    f"request {request_id!r}: KV for {kv.num_tokens} tokens, "
-                    f"the prompt has {len(prompt_token_ids)}"
+                    f"request {rid!r}: KV for {kv.num_tokens} tokens, the prompt has {len(known)}"
                 )
             import_kv(self.kv_caches, held.block_table, kv.data, start=held.num_cached_tokens)
         except BaseException:
             self.block_manager.free(held.block_table)
             raise
         req = Request(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            seed,
+            rid,
+            list(request.prompt_token_ids),
+            request.params,
+            request.seed,
             arrival,
-            output_token_ids=list(first.token_ids),
             block_table=held.block_table,
-            num_computed_tokens=len(prompt_token_ids),
             num_cached_tokens=kv.num_cached_tokens,
         )
-        if first.logprobs:
-            req.logprobs = list(first.logprobs)
-        update_text(req, tokenizer, finished=False)  # what the prefill rank already sent
+        if request.resume is not None:
+            req.resume_from(request.resume)
+        req.output_token_ids += first.token_ids
+        req.num_computed_tokens = len(known)
+        req.logprobs = list(first.logprobs or [])
+        # The text the prefill rank already sent: recomputed from the tokens, stop strings
+        # included (the same function of the same tokens gives the same text).
+        update_text(req, tokenizer, finished=False)
         req.num_tokens_sent, req.num_text_sent = len(req.output_token_ids), len(req.text)
         self.block_manager.commit(held.block_table, req.all_token_ids, req.num_computed_tokens)
         return req

@@ -3,6 +3,7 @@ schedule -> run -> postprocess; `step()` returns what each request gained in tha
 prefill-only requests it handed off (with their KV)."""
 
 import itertools
+import logging
 import random
 
 import torch
@@ -14,10 +15,12 @@ from engine.detokenizer import update_text
 from engine.handoff import Reservations
 from engine.kv_transfer import export_kv
 from engine.messages import (
+    GenerateRequest,
     KVPayload,
     PrefillResult,
     RankStatus,
     RequestOutput,
+    Resume,
     StepResult,
 )
 from engine.model_info import PromptLimits, check_prompt
@@ -29,6 +32,8 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.tokenizer import Tokenizer, load_tokenizer
 from moe.loader import load_model, resolve_model_path
 from moe.model import DeepseekForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -53,17 +58,41 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(
             path, mc.vocab_size, mc.eos_token_id, mc.bos_token_id
         )
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.runner = ModelRunner(config, self.model)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.max_model_len = self._max_model_len()
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self.reservations = Reservations(self.block_manager, self.runner.kv_caches)  # decode
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode), lifetime
+
+    def _max_model_len(self) -> int:
+        """The context limit: the config's or the model's, lowered (with a warning) to what this
+        rank's KV cache holds, so that one request alone always fits and preemption cannot
+        livelock."""
+        trained = self.model.config.max_position_embeddings
+        wanted = self.config.max_model_len or trained
+        if wanted > trained:
+            raise ValueError(
+                f"engine option max_model_len: {wanted} is more than the model's "
+                f"max_position_embeddings ({trained})"
+            )
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if wanted > capacity:
+            log.warning(
+                "max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens "
+                "(raise kv_cache_bytes for longer requests)",
+                wanted,
+                capacity,
+                self.block_manager.num_blocks,
+                self.config.block_size,
+            )
+            return capacity
+        return wanted
 
     # ---- requests ----
 
@@ -88,9 +117,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         seed: int | None = None,
         prefill_only: bool = False,
+        resume: Resume | None = None,
     ) -> Request:
         """Queue a request. seed: overrides params.seed (the router resolves it); prefill_only:
-        stop after the first token and export the prompt's KV (a prefill rank's job)."""
+        stop after the first token and export the prompt's KV (a prefill rank's job); resume:
+        the output the client already has (a request resumed after a rank failure)."""
         self._check_new_id(request_id)
         params = params or SamplingParams()
         ids = self.validate_prompt(prompt)
@@ -99,9 +130,20 @@ class LLMEngine:
         req = Request(
             request_id, ids, params, seed, next(self._arrivals), prefill_only=prefill_only
         )
+        if resume is not None:
+            self._check_resume(ids, params, resume)
+            req.resume_from(resume)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _check_resume(self, prompt: list[int], params: SamplingParams, resume: Resume) -> None:
+        if len(resume.token_ids) >= params.max_tokens:
+            raise ValueError(
+                f"a resumed request has {len(resume.token_ids)} of its {params.max_tokens} "
+                "tokens already: nothing is left to generate"
+            )
+        check_prompt(prompt + list(resume.token_ids), self.prompt_limits)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request however far it got (queued, running, or holding a reservation)."""
@@ -122,27 +164,12 @@ class LLMEngine:
         return self.reservations.reserve(request_id, prompt_token_ids, deadline)
 
     def start_prefilled(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        seed: int,
-        first: RequestOutput,
-        kv: KVPayload,
+        self, request: GenerateRequest, first: RequestOutput, kv: KVPayload
     ) -> Request:
         """Continue a request a prefill rank started: import its prompt KV into the reserved
         blocks and join the running batch with its first token."""
-        req = self.reservations.start(
-            request_id,
-            prompt_token_ids,
-            params,
-            seed,
-            first,
-            kv,
-            next(self._arrivals),
-            self.tokenizer,
-        )
-        self.requests[request_id] = req
+        req = self.reservations.start(request, first, kv, next(self._arrivals), self.tokenizer)
+        self.requests[req.request_id] = req
         self.scheduler.admit_running(req)
         return req
 
@@ -203,9 +230,9 @@ class LLMEngine:
     def _export(self, req: Request) -> PrefillResult:
         """A prefill-only request whose prompt is done: its first token and prompt KV leave the
         engine; its blocks go back (full ones stay in the prefix cache)."""
-        kv = KVPayload(
+        kv = KVPayload(  # the prompt's rows, and a resumed request's earlier output's
             req.request_id,
-            export_kv(self.runner.kv_caches, req.block_table, len(req.prompt_token_ids)),
+            export_kv(self.runner.kv_caches, req.block_table, req.num_computed_tokens),
             req.num_cached_tokens,
         )
         first = req.take_delta()  # finish_reason None: the decode rank carries on
@@ -242,6 +269,7 @@ class LLMEngine:
                 layer: list(m.experts.expert_ids)
                 for layer, m in zip(self.model.config.moe_layers, self.model.moe_layers())
             },
+            max_model_len=self.max_model_len,
         )
 
     def assert_no_leaks(self) -> None:

@@ -44,6 +44,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.num_steps = 0
         self.num_rounds = 0  # turns of the loop, steps or idle waits (a spinning loop shows)
+        self.last_progress = time.monotonic()  # when the thread last began a turn
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -72,6 +73,13 @@ class EngineLoop:
         e = self.engine
         return e.has_unfinished() or (e.ep_size > 1 and e.pool_has_unfinished)
 
+    def stalled_s(self) -> float:
+        """Seconds the engine thread has had work (requests, or calls waiting in its inbox) and
+        made no progress: 0 while it turns. Read from any thread: a rank's health."""
+        if not self._thread.is_alive() or not (self._busy() or not self._inbox.empty()):
+            return 0.0
+        return max(0.0, time.monotonic() - self.last_progress)
+
     def _drain(self, wait: float) -> None:
         try:
             item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
@@ -93,6 +101,7 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self.num_rounds += 1
+                self.last_progress = time.monotonic()
                 self._drain(0.0 if self._busy() else self.idle_wait_s)
                 if self._stop.is_set():
                     break

@@ -14,6 +14,17 @@ from engine.sampling_params import SamplingParams
 # ---- requests and their tokens ----
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """What the client already received of a request that is being resumed (after a rank
+    failed): its output tokens and text. The resumed request recomputes their KV and samples
+    on from there; sampling depends only on (seed, position), so the stream goes on as if
+    nothing happened."""
+
+    token_ids: list[int]
+    text: str
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """A validated, tokenized request as the router hands it to the pools."""
@@ -23,6 +34,12 @@ class GenerateRequest:
     params: SamplingParams
     seed: int  # resolved: the router draws one when the client gives none
     deadline: float | None = None  # time.time() after which the request is aborted
+    resume: Resume | None = None
+
+    @property
+    def known_token_ids(self) -> list[int]:
+        """Prompt and already generated tokens: what a rank must hold KV for."""
+        return self.prompt_token_ids + (self.resume.token_ids if self.resume else [])
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +153,10 @@ class RankStatus:
     num_reserved: int = 0  # decode: requests holding blocks while their KV is on the way
     block_size: int = 16
     expert_ids: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> logical ids
+    max_model_len: int = 0  # the rank's context limit (the KV cache may lower the model's)
+    num_steps: int = 0  # engine steps taken (a heartbeat)
+    stalled_s: float = 0.0  # seconds with work and no progress on the engine thread (hung?)
+    num_pending: int = 0  # calls the rank's server side is waiting on (prefills, owners)
 
     @property
     def kv_usage(self) -> float:

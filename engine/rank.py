@@ -5,7 +5,9 @@ the asyncio loop the rank's calls arrive on. Ray actors are thin shells around s
 import abc
 import asyncio
 import os
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +23,36 @@ from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.messages import RankStatus, StepResult
 
+KVMaster = tuple[str, int, int]  # the KV group's store: address, port, the kv rank hosting it
+
+
+def rendezvous_store(
+    name: str, addr: str, port: int, world_size: int, is_master: bool, timeout_s: float
+) -> dist.Store:
+    """Where a group's ranks meet. On one machine (a loopback address) a file store, which
+    listens on no port. Across machines a TCP store whose server listens on `addr` alone (not on
+    every interface, as a store given only a port would)."""
+    if addr.startswith("127."):
+        return dist.FileStore(f"{tempfile.gettempdir()}/epcluster-{name}", world_size)
+    timeout = timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    listener = socket.create_server((addr, port), family=_family(addr), backlog=128)
+    store = dist.TCPStore(
+        addr,
+        port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        master_listen_fd=listener.detach(),
+        use_libuv=False,
+    )
+    return store
+
+
+def _family(addr: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in addr else socket.AF_INET
+
 
 @dataclass(frozen=True, slots=True)
 class RankConfig:
@@ -29,7 +61,7 @@ class RankConfig:
     num_ranks: int
     engine: EngineConfig
     torch_threads: int = 1  # CPU ranks share the machine's cores
-    dist_timeout_s: float = 600.0
+    dist_timeout_s: float = 60.0  # collectives of the pool (and the p2p KV group)
     kv_transport: str = "object_store"  # or "p2p": torch.distributed point-to-point
     kv_rank: int = 0  # this rank's index in the cluster-wide KV transport group (p2p)
     kv_world: int = 1
@@ -59,7 +91,7 @@ class Rank(abc.ABC):
     # ---- start-up ----
 
     async def join(
-        self, master_addr: str, master_port: int, kv_master: tuple[str, int] | None = None
+        self, master_addr: str, master_port: int, kv_master: KVMaster | None = None
     ) -> RankStatus:
         """Join the pool's process group (every rank of the pool calls this at once), load this
         rank's experts, and start stepping."""
@@ -67,19 +99,23 @@ class Rank(abc.ABC):
         await asyncio.to_thread(self._join, master_addr, master_port, kv_master)
         return self.status()
 
-    def _join(self, master_addr: str, master_port: int, kv_master: tuple[str, int] | None) -> None:
+    def _join(self, master_addr: str, master_port: int, kv_master: KVMaster | None) -> None:
         c = self.config
         torch.set_num_threads(c.torch_threads)
         if c.num_ranks > 1:
-            init_method = f"tcp://{master_addr}:{master_port}"
             if master_addr.startswith("127."):
-                # One machine: a file store (a TCP store would listen on every interface) and
-                # gloo on loopback.
-                init_method = f"file://{tempfile.gettempdir()}/epcluster-{c.pool}-{master_port}"
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback
+            store = rendezvous_store(
+                f"{c.pool}-{master_port}",
+                master_addr,
+                master_port,
+                c.num_ranks,
+                c.rank == 0,
+                c.dist_timeout_s,
+            )
             dist.init_process_group(
                 c.dist_backend,
-                init_method=init_method,
+                store=store,
                 rank=c.rank,
                 world_size=c.num_ranks,
                 timeout=timedelta(seconds=c.dist_timeout_s),
@@ -88,27 +124,27 @@ class Rank(abc.ABC):
             p2p = c.kv_transport == "p2p"
             self.transport = self._p2p_transport(kv_master) if p2p else ObjectStoreTransport()
         self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks)
-        self.loop = EngineLoop(self.engine, self._step_from_engine_thread).start()
+        self.loop = EngineLoop(
+            self.engine, self._step_from_engine_thread, on_stop=self._stopped_on_engine_thread
+        ).start()
 
-    def _p2p_transport(self, kv_master: tuple[str, int] | None):
+    def _p2p_transport(self, kv_master: KVMaster | None):
         """Join the cluster-wide group that carries KV between prefill and decode ranks."""
         from engine.kv_p2p import TorchP2PTransport
 
         c = self.config
         if kv_master is None:
             raise ValueError("kv_transport p2p needs the KV group's address")
-        addr, port = kv_master
-        if addr.startswith("127."):  # one machine: a file store listens on no port
-            store = dist.FileStore(f"{tempfile.gettempdir()}/epcluster-kv-{port}", c.kv_world)
-        else:
-            store = dist.TCPStore(
-                addr,
-                port,
-                c.kv_world,
-                is_master=c.kv_rank == 0,
-                timeout=timedelta(seconds=c.dist_timeout_s),
-            )
+        addr, port, owner = kv_master
+        store = rendezvous_store(
+            f"kv-{port}", addr, port, c.kv_world, c.kv_rank == owner, c.dist_timeout_s
+        )
         return TorchP2PTransport(store, c.kv_rank, c.kv_world, c.dist_backend)
+
+    async def rejoin_kv(self, kv_master: KVMaster) -> None:
+        """Join a new KV transport group (the old one lost a member: a pool was re-formed).
+        Every rank of both pools calls this, or joins with kv_master, at once."""
+        self.transport = await asyncio.to_thread(self._p2p_transport, kv_master)
 
     def stop(self) -> None:
         if self.loop is not None:
@@ -130,15 +166,38 @@ class Rank(abc.ABC):
 
     def status(self) -> RankStatus:
         c, e = self.config, self.engine
-        if e is None:
+        if e is None or self.loop is None:
             return RankStatus(c.pool, c.rank, False, 0, 0, 0, 0)
-        return e.rank_status(c.pool, c.rank, self.ready())
+        status = e.rank_status(c.pool, c.rank, self.ready())
+        status.num_steps = self.loop.num_steps
+        status.stalled_s = self.loop.stalled_s()
+        status.num_pending = self.num_pending
+        return status
+
+    @property
+    @abc.abstractmethod
+    def num_pending(self) -> int:
+        """Requests this rank's asyncio side is still tracking (waiting calls, owners)."""
+
+    def debug_block(self, seconds: float) -> None:
+        """Test hook: the engine thread sleeps `seconds` (a hung rank, as a stuck collective
+        would make it). Returns at once."""
+        assert self.loop is not None
+        self.loop.submit(lambda _: time.sleep(seconds))
 
     # ---- step results: engine thread -> asyncio loop ----
 
     def _step_from_engine_thread(self, result: StepResult) -> None:
         assert self._aio is not None
         self._aio.call_soon_threadsafe(self.on_step, result)
+
+    def _stopped_on_engine_thread(self, error: BaseException | None) -> None:
+        if self._aio is not None and not self._aio.is_closed():
+            self._aio.call_soon_threadsafe(self.on_engine_stopped, error)
+
+    @abc.abstractmethod
+    def on_engine_stopped(self, error: BaseException | None) -> None:
+        """Runs on the asyncio loop once the engine thread is gone: fail what waits on it."""
 
     @abc.abstractmethod
     def on_step(self, result: StepResult) -> None:

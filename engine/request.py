@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.messages import RequestOutput, TokenLogprobs
+from engine.messages import RequestOutput, Resume, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -45,13 +45,20 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def resume_from(self, resume: Resume) -> None:
+        """Start as a request whose first tokens and text the client already has (their
+        logprobs, sent before, are not kept)."""
+        self.output_token_ids = list(resume.token_ids)
+        self.text = resume.text
+        self.num_tokens_sent, self.num_text_sent = len(self.output_token_ids), len(self.text)
+
     def take_delta(self) -> RequestOutput:
         """What is new since the last call (tokens and text), as a RequestOutput."""
         new_tokens = self.output_token_ids[self.num_tokens_sent :]
         new_text = self.text[self.num_text_sent :]
-        new_logprobs = (
-            self.logprobs[self.num_tokens_sent :] if self.params.logprobs is not None else None
-        )
+        new_logprobs = None
+        if self.params.logprobs is not None:  # one per sampled token: the newest are the tail
+            new_logprobs = self.logprobs[len(self.logprobs) - len(new_tokens) :]
         self.num_tokens_sent = len(self.output_token_ids)
         self.num_text_sent = len(self.text)
         return RequestOutput(

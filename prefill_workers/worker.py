@@ -10,16 +10,26 @@ from engine.messages import GenerateRequest, KVPayload, RequestOutput, StepResul
 from engine.rank import Rank, RankConfig
 
 
+class PrefillAborted(RuntimeError):
+    """The request was aborted (by its router, or because the engine stopped) while its prompt
+    was queued or running here."""
+
+
 class PrefillWorker(Rank):
     def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
         super().__init__(config, transport)
         # request id -> (first delta, its KV, or None when the request finished here)
         self._waiting: dict[str, asyncio.Future] = {}
 
+    @property
+    def num_pending(self) -> int:
+        return len(self._waiting)
+
     async def prefill(self, request: GenerateRequest, kv_dst: int = 0) -> tuple[RequestOutput, Any]:
         """Run the prompt; -> (first delta, the transport's handle of the prompt's KV for the
         decode rank). The handle is None when the request already finished with its first token
         (EOS, max_tokens=1, a stop). kv_dst: the decode rank's index in the KV transport group.
+        Raises PrefillAborted when the request is aborted meanwhile.
         """
         rid = request.request_id
         future = asyncio.get_running_loop().create_future()
@@ -32,15 +42,27 @@ class PrefillWorker(Rank):
                     request.params,
                     seed=request.seed,
                     prefill_only=True,
+                    resume=request.resume,
                 )
             )
             first, kv = await future
         except BaseException:  # cancelled or failed: the prompt must not hold blocks
-            await asyncio.shield(self.abort(rid))
+            await asyncio.shield(self._abort_in_engine(rid))
             raise
         finally:
             self._waiting.pop(rid, None)
         return first, (None if kv is None else self.transport.send(kv, kv_dst))
+
+    async def abort(self, request_id: str) -> None:
+        """End the request here however far it got; a prefill call waiting on it raises."""
+        future = self._waiting.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_exception(PrefillAborted(f"request {request_id} was aborted"))
+        await self._abort_in_engine(request_id)
+
+    async def _abort_in_engine(self, request_id: str) -> None:
+        if self.loop is not None and self.loop.alive:
+            await self.call(lambda e: e.abort_request(request_id))
 
     def on_step(self, result: StepResult) -> None:
         for delta in result.outputs:
@@ -48,6 +70,11 @@ class PrefillWorker(Rank):
                 self._resolve(delta.request_id, delta, None)
         for handed_off in result.prefilled:
             self._resolve(handed_off.first.request_id, handed_off.first, handed_off.kv)
+
+    def on_engine_stopped(self, error: BaseException | None) -> None:
+        for rid, future in list(self._waiting.items()):
+            if not future.done():
+                future.set_exception(PrefillAborted(f"the engine stopped ({error!r}): {rid}"))
 
     def _resolve(self, rid: str, first: RequestOutput, kv: KVPayload | None) -> None:
         future = self._waiting.get(rid)

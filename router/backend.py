@@ -13,6 +13,15 @@ from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
 
 
+class Overloaded(RuntimeError):
+    """No capacity for the request now (the server answers RESOURCE_EXHAUSTED: retry later)."""
+
+
+class Unavailable(RuntimeError):
+    """The backend cannot serve right now, e.g. a pool is re-forming after a rank failure (the
+    server answers UNAVAILABLE with a retry hint)."""
+
+
 class Backend(Protocol):
     tokenizer: Tokenizer  # encodes text prompts in the router; immutable, safe from any thread
 
@@ -37,8 +46,9 @@ class Backend(Protocol):
         are totals so far. The last delta has finish_reason set ("stop" | "length" | "abort");
         after the deadline (request.deadline, time.time() seconds) the backend ends the
         request with "abort". Raises ValueError (before any delta) when the request cannot
-        be served as given (the server answers INVALID_ARGUMENT with its message); any other
-        exception is an internal failure (INTERNAL).
+        be served as given (the server answers INVALID_ARGUMENT with its message), Overloaded
+        (RESOURCE_EXHAUSTED) or Unavailable (UNAVAILABLE); any other exception is an internal
+        failure (INTERNAL).
         NOTE: closing the iterator early (aclose, or cancellation while awaiting it) must
         abort the request and free its KV blocks, like `abort`.
         """

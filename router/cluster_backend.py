@@ -1,21 +1,31 @@
 """ClusterBackend: the Backend over a prefill pool and a decode pool.
 
-Per request: pick a decode rank and reserve KV blocks there; pick a prefill rank and run the
-prompt; stream the first token (time to first token); hand the prompt's KV, unopened, to the
-decode rank; then stream the decode rank's deltas, which arrive once per step on one stream per
-decode rank. However the request ends (finish, client cancel, deadline, failure), both ranks are
-told, so no block stays held.
+An attempt at a request: reserve KV blocks on a decode rank; run the prompt on a prefill rank;
+stream the first token (time to first token); hand the prompt's KV, unopened, to the decode rank;
+stream the decode rank's deltas (one stream per decode rank, a list of deltas per step). However
+an attempt ends (finish, client cancel, deadline, failure), both ranks are told, so no block
+stays held.
 
+Faults: when a rank fails (router/pools.py), every request placed on its pool is resumed: a new
+attempt, on the re-formed pool, that carries what the client already received (Resume). The
+prefill rank recomputes that KV, and sampling, a function of (seed, position), goes on with the
+same tokens: the client sees a pause. A reservation is a lease the router renews while the
+prefill runs, so a router that dies leaves nothing held for long.
+
+Requests reach the ranks under ids this router issues (router id + a counter + the attempt), so
+any number of routers can share the pools; the client's id stays on its own messages.
 The rank handles are duck-typed (cluster/ wraps Ray actors in them); this module imports no Ray.
 """
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.messages import (
@@ -25,9 +35,12 @@ from engine.messages import (
     PoolStatus,
     RankStatus,
     RequestOutput,
+    Resume,
 )
 from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
+from router.backend import Overloaded, Unavailable
+from router.pools import HealthConfig, PoolControl, Pools, RankFailed
 from router.routing import decode_preference, prefill_choice, prefix_key
 
 log = logging.getLogger(__name__)
@@ -42,14 +55,17 @@ class PrefillRank(Protocol):
 class DecodeRank(Protocol):
     kv_rank: int  # where the prefill rank sends this rank's KV (the transport's numbering)
 
-    async def reserve(self, request_id: str, prompt: list[int], timeout_s: float) -> bool: ...
+    async def reserve(
+        self, request_id: str, token_ids: list[int], lease_s: float, router_id: str
+    ) -> bool: ...
+    async def renew(self, router_id: str, request_ids: list[str], lease_s: float) -> int: ...
     async def start(
         self, request: GenerateRequest, first: RequestOutput, kv: Any, router_id: str
     ) -> None: ...
     async def abort(self, request_id: str) -> None: ...
     async def discard_kv(self, kv: Any) -> None: ...
     async def status(self) -> RankStatus: ...
-    async def register_router(self, router_id: str) -> None: ...
+    async def register_router(self, router_id: str, lease_s: float) -> None: ...
     def stream(self, router_id: str) -> AsyncIterator[list[RequestOutput]]: ...
 
 
@@ -59,31 +75,42 @@ class KVTransferFailed(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    kv_transfer_timeout_s: float = 30.0  # a reservation whose KV does not come is released
+    kv_lease_s: float = 30.0  # a reservation not renewed or started for this long is released
     reserve_wait_s: float = 10.0  # how long a request waits for room on a decode rank
+    recovery_wait_s: float = 120.0  # how long a request waits for a re-forming pool
+    max_resumes: int = 3  # resumes of one request after rank failures, then UNAVAILABLE
     prefill_max_imbalance: int = 4096  # queued prompt tokens before affinity gives way to load
     affinity_blocks: int = 1  # prompt blocks whose hash picks the preferred prefill rank
-    status_interval_s: float = 0.1  # how often the ranks' load is polled
 
     def __post_init__(self) -> None:
-        for name in ("kv_transfer_timeout_s", "reserve_wait_s", "status_interval_s"):
+        for name in ("kv_lease_s", "reserve_wait_s", "recovery_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"routing {name} must be > 0 (got {getattr(self, name)!r})")
-        if self.prefill_max_imbalance < 0 or self.affinity_blocks < 1:
+        if self.prefill_max_imbalance < 0 or self.affinity_blocks < 1 or self.max_resumes < 0:
             raise ValueError(
-                "routing prefill_max_imbalance must be >= 0 and affinity_blocks >= 1 "
-                f"(got {self.prefill_max_imbalance!r}, {self.affinity_blocks!r})"
+                "routing prefill_max_imbalance and max_resumes must be >= 0, affinity_blocks "
+                f">= 1 (got {self.prefill_max_imbalance!r}, {self.max_resumes!r}, "
+                f"{self.affinity_blocks!r})"
             )
+
+
+_ABORTED = object()  # _within: the deadline passed or the request was aborted
 
 
 @dataclass(slots=True)
 class _Route:
-    """Where one request runs, and what it holds on the ranks until the backend releases it."""
+    """One request: what the client received, and where its current attempt runs."""
 
-    request: GenerateRequest
-    queue: asyncio.Queue  # the decode rank's deltas for it, or None for an abort
+    request: GenerateRequest  # as the client sent it
+    wire: GenerateRequest  # this attempt, as the ranks see it (router-issued id, resume state)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # deltas, None, RankFailed
+    token_ids: list[int] = field(default_factory=list)  # received by the client
+    text: str = ""
+    resumes: int = 0
     decode: int | None = None  # the decode rank holding its reservation (then its blocks)
+    decode_gen: int = -1
     prefill: int | None = None
+    prefill_gen: int = -1
     first: RequestOutput | None = None  # the first token's delta, from the prefill rank
     kv: Any = None  # the transport's handle of the prompt's KV until the decode rank has it
     done: bool = False  # finished on a rank: nothing left to abort there
@@ -99,131 +126,254 @@ class ClusterBackend:
         tokenizer: Tokenizer,
         block_size: int,
         routing: RoutingConfig | None = None,
+        health: HealthConfig | None = None,
+        control: PoolControl | None = None,
     ) -> None:
-        self.prefill, self.decode = prefill, decode
         self._model_info, self.tokenizer = model_info, tokenizer
         self.block_size = block_size
         self.routing = routing or RoutingConfig()
+        self.pools = Pools(
+            prefill,
+            decode,
+            control,
+            health or HealthConfig(),
+            self._on_pool_failed,
+            self._on_pool_reformed,
+        )
         self.router_id = uuid.uuid4().hex
-        self._routes: dict[str, _Route] = {}
+        self._seq = itertools.count()
+        self._routes: dict[str, _Route] = {}  # wire id -> route
+        self._by_client: dict[str, _Route] = {}  # client's request id -> route
         self._prefill_load = [0] * len(prefill)  # prompt tokens this router has in flight
         self._decode_pending = [0] * len(decode)  # blocks reserved since the last status
-        self._status: dict[tuple[str, int], RankStatus] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._pending_poll = -1  # the status poll _decode_pending counts from
+        self._readers: list[asyncio.Task] = []
+        self._renewer: asyncio.Task | None = None
         self._started = False
 
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        """Open the delta streams and the status poller (on the server's event loop)."""
-        await asyncio.gather(*(d.register_router(self.router_id) for d in self.decode))
-        self._tasks = [asyncio.create_task(self._read_stream(d)) for d in self.decode]
-        await self._poll_status_once()
-        self._tasks.append(asyncio.create_task(self._poll_status()))
+        """Open the delta streams, the health watch and the lease renewal (on the server's
+        event loop)."""
+        await self._open_streams()
+        await self.pools.start()
+        self._renewer = asyncio.create_task(self._renew_forever())
         self._started = True
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        for task in [*self._readers, self._renewer]:
+            if task is not None:
+                task.cancel()
+        await self.pools.close()
         self._started = False
 
     def ready(self) -> bool:
-        return (
-            self._started
-            and len(self._status) == len(self.prefill) + len(self.decode)
-            and all(s.ready for s in self._status.values())
-            and not any(t.done() for t in self._tasks)
-        )
+        return self._started and self.pools.ready() and not any(t.done() for t in self._readers)
 
     def model_info(self) -> ModelInfo:
-        return self._model_info
+        return dataclasses.replace(self._model_info, max_model_len=self._max_model_len())
 
     def prompt_limits(self) -> PromptLimits:
         """A prompt must fit the smallest KV cache of any rank that may hold it (both pools)."""
-        sizes = [s.kv_total_blocks for s in self._status.values() if s.kv_total_blocks > 0]
+        sizes = [s.kv_total_blocks for s in self.pools.status.values() if s.kv_total_blocks > 0]
         info = self._model_info
         return PromptLimits(
-            info.vocab_size, info.max_model_len, self.block_size, min(sizes, default=1 << 62)
+            info.vocab_size, self._max_model_len(), self.block_size, min(sizes, default=1 << 62)
         )
 
+    def _max_model_len(self) -> int:
+        ranks = [s.max_model_len for s in self.pools.status.values() if s.max_model_len > 0]
+        return min([self._model_info.max_model_len, *ranks])
+
     async def status(self) -> ClusterStatus:
-        await self._poll_status_once()
-        pools = [
-            PoolStatus(name, [self._status[(name, i)] for i in range(n)])
-            for name, n in (("prefill", len(self.prefill)), ("decode", len(self.decode)))
+        with contextlib.suppress(Exception):
+            await self.pools.poll_once()
+        pools = []
+        for name in ("prefill", "decode"):
+            pool = self.pools[name]
+            ranks = [
+                self.pools.status.get((name, i)) or RankStatus(name, i, False, 0, 0, 0, 0)
+                for i in range(len(pool.ranks))
+            ]
+            pools.append(PoolStatus(name, ranks))
+        return ClusterStatus(pools, num_in_flight=len(self._by_client))
+
+    # ---- pools failing and coming back ----
+
+    def _on_pool_failed(self, pool: str, generation: int) -> None:
+        """Every request placed on the failed pool's ranks resumes elsewhere (after it
+        re-forms)."""
+        for route in list(self._routes.values()):
+            on_prefill = pool == "prefill" and route.prefill is not None and not route.first
+            on_decode = pool == "decode" and route.decode is not None
+            gen = route.prefill_gen if pool == "prefill" else route.decode_gen
+            if (on_prefill or on_decode) and gen == generation and not route.done:
+                rank = route.prefill if pool == "prefill" else route.decode
+                route.queue.put_nowait(RankFailed(pool, rank, "its pool is re-forming"))
+
+    async def _on_pool_reformed(self, pool: str) -> None:
+        self._prefill_load = [0] * len(self.pools["prefill"].ranks)
+        self._decode_pending = [0] * len(self.pools["decode"].ranks)
+        if pool == "decode":
+            await self._open_streams()
+
+    async def _open_streams(self) -> None:
+        for task in self._readers:
+            task.cancel()
+        decode = self.pools["decode"]
+        lease = self.routing.kv_lease_s
+        await asyncio.gather(*(d.register_router(self.router_id, lease) for d in decode.ranks))
+        self._readers = [
+            asyncio.create_task(self._read_stream(i, d, decode.generation))
+            for i, d in enumerate(decode.ranks)
         ]
-        return ClusterStatus(pools, num_in_flight=len(self._routes))
 
-    async def _poll_status_once(self) -> None:
-        ranks = [("prefill", i, r) for i, r in enumerate(self.prefill)]
-        ranks += [("decode", i, r) for i, r in enumerate(self.decode)]
-        results = await asyncio.gather(*(r.status() for _, _, r in ranks), return_exceptions=True)
-        for (pool, i, _), result in zip(ranks, results):
-            if isinstance(result, BaseException):
-                old = self._status.get((pool, i))
-                self._status[(pool, i)] = RankStatus(
-                    pool, i, False, 0, 0, 0, old.kv_total_blocks if old else 0
-                )
-            else:
-                self._status[(pool, i)] = result
-        self._decode_pending = [0] * len(self.decode)
+    async def _read_stream(self, i: int, rank: DecodeRank, generation: int) -> None:
+        try:
+            async for deltas in rank.stream(self.router_id):
+                for delta in deltas:
+                    route = self._routes.get(delta.request_id)
+                    if route is not None:
+                        route.queue.put_nowait(delta)
+            why = "its delta stream ended"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            why = f"its delta stream broke: {e}"
+        if self.pools["decode"].generation == generation:
+            self.pools.fail("decode", i, why)
 
-    async def _poll_status(self) -> None:
+    async def _renew_forever(self) -> None:
+        """Renew the leases of the reservations whose prefill runs (and of this router)."""
+        period = min(1.0, self.routing.kv_lease_s / 4)
         while True:
-            await asyncio.sleep(self.routing.status_interval_s)
-            with contextlib.suppress(Exception):
-                await self._poll_status_once()
-
-    async def _read_stream(self, rank: DecodeRank) -> None:
-        async for deltas in rank.stream(self.router_id):
-            for delta in deltas:
-                route = self._routes.get(delta.request_id)
-                if route is not None:
-                    route.queue.put_nowait(delta)
+            await asyncio.sleep(period)
+            decode = self.pools["decode"]
+            if not decode.ready.is_set():
+                continue
+            waiting: list[list[str]] = [[] for _ in decode.ranks]
+            for rid, route in self._routes.items():
+                if (
+                    route.decode is not None
+                    and not route.started
+                    and route.decode_gen == (decode.generation)
+                ):
+                    waiting[route.decode].append(rid)
+            calls = [
+                rank.renew(self.router_id, ids, self.routing.kv_lease_s)
+                for rank, ids in zip(decode.ranks, waiting, strict=True)
+            ]
+            await asyncio.gather(*calls, return_exceptions=True)  # failures: the health watch
 
     # ---- requests ----
 
     async def abort(self, request_id: str) -> None:
-        route = self._routes.get(request_id)
+        route = self._by_client.get(request_id)
         if route is not None:
             route.queue.put_nowait(None)  # generate() sees it, aborts on the ranks, ends "abort"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Prefill phase (reserve on a decode rank, prefill, first token), then decode phase
-        (start on the decode rank, stream its deltas); releasing the route is the cleanup."""
-        rid = request.request_id
-        if rid in self._routes:
-            raise ValueError(f"request id {rid!r} is already in flight")
-        route = self._routes[rid] = _Route(request, asyncio.Queue())
+        """Attempts until one ends: a rank failure resumes the request on the re-formed pool
+        from what the client has (up to max_resumes times)."""
+        cid = request.request_id
+        if cid in self._by_client:
+            raise ValueError(f"request id {cid!r} is already in flight")
+        route = self._by_client[cid] = _Route(request, request)
         try:
-            first = await self._prefill_phase(route)
-            if first is None:  # deadline or abort during the prefill
-                yield self._aborted(request)
-                return
-            yield first
-            if not route.done:
-                async for delta in self._decode_phase(route):
-                    yield delta
+            while True:
+                self._begin_attempt(route)
+                try:
+                    async for delta in self._attempt(route):
+                        route.token_ids += delta.token_ids
+                        route.text += delta.text
+                        delta.request_id = cid
+                        yield delta
+                    return
+                except RankFailed as e:
+                    self.pools.fail(e.pool, e.rank, e.why)
+                    await asyncio.shield(self._release(route))
+                    if route.resumes >= self.routing.max_resumes:
+                        raise Unavailable(
+                            f"the request was resumed {route.resumes} times after rank "
+                            f"failures and the last one failed too ({e}): retry later"
+                        ) from e
+                    route.resumes += 1
+                    log.info("resuming %s after %s (%d tokens sent)", cid, e, len(route.token_ids))
         finally:
-            del self._routes[rid]
+            del self._by_client[cid]
+            self._routes.pop(route.wire.request_id, None)
             await asyncio.shield(self._release(route))
 
+    def _begin_attempt(self, route: _Route) -> None:
+        self._routes.pop(route.wire.request_id, None)
+        resume = Resume(list(route.token_ids), route.text) if route.token_ids else None
+        wire_id = f"{self.router_id}-{next(self._seq)}"
+        route.wire = dataclasses.replace(route.request, request_id=wire_id, resume=resume)
+        route.queue = asyncio.Queue()
+        route.first = route.kv = None
+        route.done = route.started = False
+        self._routes[wire_id] = route
+
+    async def _attempt(self, route: _Route) -> AsyncIterator[RequestOutput]:
+        request = route.request
+        waited = await self._wait_for_pools(request)
+        if waited is None:
+            yield self._aborted(route)  # the deadline passed while a pool re-formed
+            return
+        if len(route.token_ids) >= request.params.max_tokens:  # resumed at its very end
+            yield self._finished(route, "length")
+            return
+        first = await self._prefill_phase(route)
+        if first is None:  # deadline or abort during the prefill
+            yield self._aborted(route)
+            return
+        yield first
+        if not route.done:
+            async for delta in self._decode_phase(route):
+                yield delta
+
+    async def _wait_for_pools(self, request: GenerateRequest) -> bool | None:
+        """True once both pools can take work; None if the deadline passes first. Raises
+        Unavailable after recovery_wait_s."""
+        if self.pools.ready():
+            return True
+        wait = self.routing.recovery_wait_s
+        left = None if request.deadline is None else request.deadline - time.time()
+        if await self.pools.wait_ready(wait if left is None else max(0.0, min(wait, left))):
+            return True
+        if left is not None and left <= wait:
+            return None
+        raise Unavailable(
+            f"a pool is re-forming after a rank failure ({self._last_failure()}): retry in a "
+            "few seconds"
+        )
+
+    def _last_failure(self) -> str:
+        return "; ".join(
+            f"{p.name}: {p.last_failure}" for p in self.pools.pools.values() if p.last_failure
+        )
+
     async def _prefill_phase(self, route: _Route) -> RequestOutput | None:
-        """Reserve the prompt's blocks on a decode rank, run the prompt on a prefill rank; -> the
-        first token's delta, or None when the deadline passed or the request was aborted."""
-        request, prompt = route.request, route.request.prompt_token_ids
-        route.decode = await self._reserve(request)
-        cfg = self.routing
-        key = prefix_key(prompt, self.block_size, cfg.affinity_blocks)
-        route.prefill = prefill_choice(key, self._prefill_load, cfg.prefill_max_imbalance)
-        self._prefill_load[route.prefill] += len(prompt)
+        """Reserve the blocks on a decode rank, run the prompt on a prefill rank; -> the first
+        token's delta, or None when the deadline passed or the request was aborted."""
+        wire = route.wire
+        route.decode = await self._reserve(route)
+        if route.decode is None:
+            return None
+        prefill = self.pools["prefill"]
+        route.prefill_gen = prefill.generation
+        known = len(wire.known_token_ids)
+        key = prefix_key(wire.prompt_token_ids, self.block_size, self.routing.affinity_blocks)
+        route.prefill = prefill_choice(key, self._prefill_load, self.routing.prefill_max_imbalance)
+        self._prefill_load[route.prefill] += known
         try:
-            kv_dst = self.decode[route.decode].kv_rank
-            call = self.prefill[route.prefill].prefill(request, kv_dst)
-            result = await self._within(request, call, abort_queue=route.queue)
+            kv_dst = self.pools["decode"].ranks[route.decode].kv_rank
+            result = await self._within(route, prefill.ranks[route.prefill].prefill(wire, kv_dst))
         finally:
-            self._prefill_load[route.prefill] -= len(prompt)
-        if result is None:
+            if prefill.generation == route.prefill_gen:
+                self._prefill_load[route.prefill] -= known
+        if result is _ABORTED:
             return None
         route.first, route.kv = result
         route.done = route.first.finished  # finished on the prefill rank (EOS, a stop, ...)
@@ -232,72 +382,89 @@ class ClusterBackend:
     async def _decode_phase(self, route: _Route) -> AsyncIterator[RequestOutput]:
         """Hand the prompt's KV to the decode rank and stream its deltas until the finish, the
         deadline or an abort."""
-        request, rank = route.request, self.decode[route.decode]
+        rank = self.pools["decode"].ranks[route.decode]
+        handle, route.kv = route.kv, None
         try:
-            handle, route.kv = route.kv, None
-            await rank.start(request, route.first, handle, self.router_id)
+            await rank.start(route.wire, route.first, handle, self.router_id)
+        except (RankFailed, asyncio.CancelledError):
+            raise
         except Exception as e:
             raise KVTransferFailed(
                 f"the prompt's KV cache did not reach decode rank {route.decode}: {e}"
             ) from e
+        finally:
+            del handle  # the decode rank has the KV: its object can go
         route.started = True
         while not route.done:
-            delta = await self._within(request, route.queue.get())
-            if delta is None:  # deadline or abort
-                yield self._aborted(request)
+            delta = await self._within(route, route.queue.get(), watch_queue=False)
+            if delta is _ABORTED:
+                yield self._aborted(route)
                 return
             route.done = delta.finished
             yield delta
 
     async def _release(self, route: _Route) -> None:
-        """However the request ended: abort it where it may still hold blocks (an unused decode
-        reservation included), and take delivery of a KV transfer nobody started."""
+        """Abort the current attempt where it may still hold blocks (an unused decode
+        reservation included), and take delivery of a KV transfer nobody started. Idempotent."""
+        rid = route.wire.request_id
         calls = []
-        if not route.done and route.prefill is not None:
-            calls.append(self.prefill[route.prefill].abort(route.request.request_id))
+        if route.prefill is not None and not route.done:
+            prefill = self.pools["prefill"]
+            if prefill.generation == route.prefill_gen:
+                calls.append(prefill.ranks[route.prefill].abort(rid))
         if route.decode is not None and not (route.done and route.started):
-            calls.append(self.decode[route.decode].abort(route.request.request_id))
-        if route.kv is not None:  # sent but never started: a p2p send must still be matched
-            calls.append(self.decode[route.decode].discard_kv(route.kv))
+            decode = self.pools["decode"]
+            if decode.generation == route.decode_gen:
+                calls.append(decode.ranks[route.decode].abort(rid))
+                if route.kv is not None:  # sent, never started: a p2p send must be matched
+                    calls.append(decode.ranks[route.decode].discard_kv(route.kv))
+        route.prefill = route.decode = route.kv = None
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException):
-                log.warning("cleanup of %s failed: %r", route.request.request_id, result)
+                log.warning("cleanup of %s failed: %r", rid, result)
 
-    async def _reserve(self, request: GenerateRequest) -> int:
-        """Reserve the prompt's blocks on the best decode rank with room, waiting for room up
-        to reserve_wait_s. -> the decode rank."""
-        needed = -(-(len(request.prompt_token_ids) + 1) // self.block_size)
+    async def _reserve(self, route: _Route) -> int | None:
+        """Reserve the known tokens' blocks on the best decode rank with room, waiting for room
+        up to reserve_wait_s (Overloaded after that); -> the decode rank, None when the
+        deadline passes or the request is aborted first."""
+        wire, decode = route.wire, self.pools["decode"]
+        needed = -(-(len(wire.known_token_ids) + 1) // self.block_size)
         give_up = time.monotonic() + self.routing.reserve_wait_s
         while True:
-            ranks = [self._status.get(("decode", i)) for i in range(len(self.decode))]
+            route.decode_gen = decode.generation
+            if self._pending_poll != self.pools.num_polls:  # fresh statuses count them
+                self._pending_poll = self.pools.num_polls
+                self._decode_pending = [0] * len(decode.ranks)
+            ranks = [self.pools.status.get(("decode", i)) for i in range(len(decode.ranks))]
             live = [r or RankStatus("decode", i, False, 0, 0, 0, 0) for i, r in enumerate(ranks)]
             for i in decode_preference(live, self._decode_pending, needed):
-                ok = await self.decode[i].reserve(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    self.routing.kv_transfer_timeout_s,
+                ok = await decode.ranks[i].reserve(
+                    wire.request_id, wire.known_token_ids, self.routing.kv_lease_s, self.router_id
                 )
                 if ok:
                     self._decode_pending[i] += needed
                     return i
             if time.monotonic() > give_up:
-                raise RuntimeError(
-                    f"no decode rank has room for {needed} KV blocks after "
-                    f"{self.routing.reserve_wait_s:.0f} s"
+                free = max((r.kv_free_blocks for r in live), default=0)
+                raise Overloaded(
+                    f"no decode rank has room for {needed} KV blocks (the most free is {free}) "
+                    f"after {self.routing.reserve_wait_s:.0f} s: retry later"
                 )
-            await asyncio.sleep(0.05)
-            await self._poll_status_once()
+            if await self._within(route, asyncio.sleep(0.05)) is _ABORTED:
+                return None
+            await self.pools.poll_once()
 
-    async def _within(
-        self, request: GenerateRequest, awaitable: Any, abort_queue: asyncio.Queue | None = None
-    ) -> Any:
-        """Await `awaitable` until the request's deadline, or until an abort marker arrives on
-        abort_queue; -> None in those cases."""
+    async def _within(self, route: _Route, awaitable: Any, watch_queue: bool = True) -> Any:
+        """Await `awaitable` until the request's deadline, or (watch_queue) until an abort or a
+        rank failure arrives on the route's queue; -> its result, or _ABORTED. A RankFailed,
+        from the queue or from the awaitable, is raised."""
+        request = route.request
         timeout = None if request.deadline is None else max(0.0, request.deadline - time.time())
         task = asyncio.ensure_future(awaitable)
         waits = {task}
-        if abort_queue is not None:
-            waits.add(asyncio.ensure_future(abort_queue.get()))
+        marker = asyncio.ensure_future(route.queue.get()) if watch_queue else None
+        if marker is not None:
+            waits.add(marker)
         try:
             finished, _ = await asyncio.wait(
                 waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -305,9 +472,32 @@ class ClusterBackend:
         finally:
             for waiter in waits:
                 waiter.cancel()
-        return task.result() if task in finished else None
+        if task in finished:
+            result = task.result()
+            if marker is not None and marker in finished:  # both at once: keep the marker
+                route.queue.put_nowait(marker.result())
+            if watch_queue:
+                return result
+        elif marker is not None and marker in finished:
+            result = marker.result()
+        else:
+            return _ABORTED  # the deadline
+        # from the route's queue: a delta, None (an abort) or a RankFailed
+        if isinstance(result, RankFailed):
+            raise result
+        return _ABORTED if result is None else result
 
-    def _aborted(self, request: GenerateRequest) -> RequestOutput:
+    def _aborted(self, route: _Route) -> RequestOutput:
+        return self._finished(route, "abort")
+
+    def _finished(self, route: _Route, reason: str) -> RequestOutput:
+        request = route.request
         return RequestOutput(
-            request.request_id, [], "", "abort", len(request.prompt_token_ids), 0, 0
+            request.request_id,
+            [],
+            "",
+            reason,
+            len(request.prompt_token_ids),
+            len(route.token_ids),
+            0,
         )

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Coroutine
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.messages import GenerateRequest
 from router import convert
 from router.admission import Admission, AdmissionConfig
-from router.backend import Backend
+from router.backend import Backend, Overloaded, Unavailable
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
 
@@ -27,22 +28,23 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "epcluster.v1.Inference"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"  # how long a client should wait before a retry
+Status = tuple[grpc.StatusCode, str]
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, backend: Backend, admission: Admission) -> None:
+    def __init__(self, backend: Backend, admission: Admission, ready_wait_s: float = 30.0) -> None:
         self.backend = backend
         self.admission = admission
+        self.ready_wait_s = ready_wait_s  # a request waits this long for a backend not ready
         self.in_flight: set[str] = set()  # request ids with an open stream on this router
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         start = time.monotonic()
-        if not self.backend.ready():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the backend is not ready: retry")
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
         try:
@@ -62,16 +64,36 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # NOTE: no await between the duplicate check and here, so two streams cannot both pass.
         self.in_flight.add(req.request_id)
         try:
-            error = await self._stream(req, context, start)
+            error = await self._wait_ready(req.deadline) or await self._stream(req, context, start)
         finally:
             self.in_flight.discard(req.request_id)
             self.admission.release(num_tokens)
         if error is not None:
-            await context.abort(*error)
+            code, message = error
+            pushback = ((RETRY_PUSHBACK, "2000"),) if code == grpc.StatusCode.UNAVAILABLE else ()
+            await context.abort(code, message, trailing_metadata=pushback)
+
+    async def _wait_ready(self, deadline: float | None) -> Status | None:
+        """Wait (within the deadline and ready_wait_s) for a backend that is starting or
+        recovering; -> UNAVAILABLE with a retry hint if it does not get ready."""
+        end = time.monotonic() + self.ready_wait_s
+        if deadline is not None:
+            end = min(end, time.monotonic() + deadline - time.time())
+        while not self.backend.ready():
+            if time.monotonic() >= end:
+                if _past(deadline):
+                    return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: not ready yet"
+                return (
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the cluster is not ready (starting, or re-forming a pool after a rank "
+                    "failure): retry in a few seconds",
+                )
+            await asyncio.sleep(0.05)
+        return None
 
     async def _stream(
         self, req: GenerateRequest, context: grpc.aio.ServicerContext, start: float
-    ) -> tuple[grpc.StatusCode, str] | None:
+    ) -> Status | None:
         """Write the backend's deltas; -> the status to fail the RPC with, if any."""
         finished = sent = written = False
         try:
@@ -88,16 +110,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if out.finish_reason == "abort" and _past(req.deadline):
                 # The backend enforced the deadline a moment before gRPC did: same status.
                 return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: request aborted"
-        except ValueError as e:  # the backend refused the request as given (before any delta)
-            if written:
-                log.exception("request %s failed", req.request_id)
-                return grpc.StatusCode.INTERNAL, f"internal error: ValueError: {e}"
-            return _INVALID, str(e)
         except asyncio.CancelledError:  # client cancel or deadline: the finally aborts
             raise
         except Exception as e:
-            log.exception("request %s failed", req.request_id)
-            return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+            return _status_of(req, e, written)
         finally:
             if not finished:  # free the request's KV blocks, even while being cancelled
                 try:
@@ -122,6 +138,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return convert.cluster_status_to_proto(status)
 
 
+def _status_of(req: GenerateRequest, e: Exception, written: bool) -> Status:
+    """The status a backend failure gets. The message is one line: the full traceback (and any
+    remote one) goes to the log, never to the client."""
+    cause = (str(e).strip().splitlines() or [""])[0][:300]
+    if isinstance(e, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, cause
+    if isinstance(e, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, cause
+    if isinstance(e, ValueError) and not written:  # refused as given, before any delta
+        return _INVALID, cause
+    log.error("request %s failed", req.request_id, exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {cause}"
+
+
 def _past(deadline: float | None) -> bool:
     return deadline is not None and time.time() >= deadline
 
@@ -143,11 +173,12 @@ class RouterServer:
         port: int,
         admission: AdmissionConfig,
         ready_poll_s: float,
+        ready_wait_s: float,
     ) -> None:
         self.backend = backend
         self.host = host
         self.ready_poll_s = ready_poll_s
-        self.servicer = InferenceServicer(backend, Admission(admission))
+        self.servicer = InferenceServicer(backend, Admission(admission), ready_wait_s)
         self._serving = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router", daemon=True)
@@ -168,13 +199,18 @@ class RouterServer:
         """Block until health reports SERVING (the backend is ready); False on timeout."""
         return self._serving.wait(timeout)
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        """Health goes NOT_SERVING, in-flight streams get `grace` seconds, then are cancelled
-        (which aborts their requests in the backend). Idempotent."""
+    def stop(self, grace: float | None = 1.0, then: Coroutine | None = None) -> None:
+        """Drain and stop: health goes NOT_SERVING, new calls are refused, in-flight streams get
+        `grace` seconds to finish, then are cancelled (which aborts their requests in the
+        backend); then `then` runs on the server's loop (e.g. closing the backend). Idempotent."""
         if self._loop.is_closed():
+            if then is not None:
+                then.close()
             return
         try:
             self._run(self._stop(grace))
+            if then is not None:
+                self._run(then)
         finally:
             self._close_loop()
 
@@ -246,7 +282,10 @@ def serve(
     *,
     admission: AdmissionConfig | None = None,
     ready_poll_s: float = 0.1,
+    ready_wait_s: float = 30.0,
 ) -> RouterServer:
     """Start the router on host:port (0 picks a free port: see .port) and return it. Health is
     NOT_SERVING until backend.ready(); `wait_ready()` blocks until then."""
-    return RouterServer(backend, host, port, admission or AdmissionConfig(), ready_poll_s)
+    return RouterServer(
+        backend, host, port, admission or AdmissionConfig(), ready_poll_s, ready_wait_s
+    )

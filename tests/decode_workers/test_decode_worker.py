@@ -34,7 +34,7 @@ def workload():
 
 async def generate(prefill, decode, rid, prompt, params, seed) -> list[int]:
     request = GenerateRequest(rid, prompt, params, seed)
-    assert await decode.reserve(rid, prompt, timeout_s=30)
+    assert await decode.reserve(rid, prompt, lease_s=30, router_id="router")
     first, kv = await prefill.prefill(request)
     await decode.start(request, first, kv, "router")
     return first.token_ids

@@ -9,7 +9,7 @@ import torch
 import engine.handoff
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.kv_transfer import KVTransferError, ObjectStoreTransport
-from engine.messages import KVPayload
+from engine.messages import GenerateRequest, KVPayload
 
 
 def prompts_and_params():
@@ -57,7 +57,7 @@ def test_prefill_then_decode_equals_one_engine():
         assert decode.reserve(rid, p, deadline=time.monotonic() + 30)
         first, kv = handed_off[rid].first, handed_off[rid].kv
         assert kv.num_tokens == len(p)
-        decode.start_prefilled(rid, p, sp, requests[rid].seed, first, kv)
+        decode.start_prefilled(GenerateRequest(rid, p, sp, requests[rid].seed), first, kv)
         outs[rid] = [first]
     run_until_done(decode, outs)
     for i, exp in enumerate(expected):
@@ -84,21 +84,22 @@ def test_failed_import_and_expired_reservation_free_blocks(monkeypatch):
         raise KVTransferError("the copy failed")
 
     monkeypatch.setattr(engine.handoff, "import_kv", broken_import)
+    request = GenerateRequest("a", prompt, sp, req.seed)
     with pytest.raises(KVTransferError, match="the copy failed"):
-        decode.start_prefilled("a", prompt, sp, req.seed, first, kv)
+        decode.start_prefilled(request, first, kv)
     decode.assert_no_leaks()
     monkeypatch.undo()
     # KV of the wrong length is refused, and the reservation released
     assert decode.reserve("a", prompt, deadline=time.monotonic() + 30)
     short = KVPayload("a", kv.data[:, :-1], 0)
     with pytest.raises(KVTransferError, match="KV for 27 tokens, the prompt has 28"):
-        decode.start_prefilled("a", prompt, sp, req.seed, first, short)
+        decode.start_prefilled(request, first, short)
     decode.assert_no_leaks()
     # a reservation whose KV never comes is released at its deadline
     assert decode.reserve("b", prompt, deadline=time.monotonic() - 1)
     assert decode.reservations.expire(time.monotonic()) == ["b"]
     with pytest.raises(KVTransferError, match="no reservation"):
-        decode.start_prefilled("b", prompt, sp, req.seed, first, kv)
+        decode.start_prefilled(GenerateRequest("b", prompt, sp, req.seed), first, kv)
     decode.assert_no_leaks()
     # abort releases a reservation too
     assert decode.reserve("c", prompt, deadline=time.monotonic() + 30)

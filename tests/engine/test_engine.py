@@ -153,8 +153,17 @@ def test_bad_sampling_params():
             SamplingParams(**kwargs)
 
 
-def test_prompt_larger_than_cache_is_refused():
-    llm = LLM("tiny", block_size=4, kv_cache_bytes=10 * 4 * 288 * 4)
-    with pytest.raises(ValueError, match="KV blocks"):
+def test_a_cache_smaller_than_the_context_lowers_it_and_refuses_longer_prompts():
+    # 24 blocks of 4 tokens (tiny: 3 layers x 40 numbers x 4 bytes per token): 96 tokens
+    llm = LLM("tiny", block_size=4, kv_cache_bytes=24 * 4 * 3 * 40 * 4)
+    assert llm.engine.max_model_len == 96  # not the model's 2048: one request always fits
+    with pytest.raises(ValueError, match="context is 96: shorten it to at most 95"):
         llm.generate([list(range(2, 100))], SamplingParams(max_tokens=2))
+    out = llm.generate([list(range(2, 90))], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert (out.finish_reason, out.num_completion_tokens) == ("length", 96 - 88)
     llm.engine.assert_no_leaks()
+
+
+def test_max_model_len_beyond_the_model_is_refused():
+    with pytest.raises(ValueError, match="max_model_len: 4096 is more than the model's"):
+        LLM("tiny", max_model_len=4096)

@@ -243,7 +243,7 @@ def test_backend_refusal_gets_invalid_argument():
             with pytest.raises(grpc.RpcError) as err:
                 c.complete(list(range(5, 45)), QUICK)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "needs 11 KV blocks, but a KV cache here holds 8" in err.value.details()
+            assert "context is 32: shorten it to at most 31" in err.value.details()
             assert c.complete([5, 6], QUICK).finish_reason == "length"
         assert wait_idle(small) == (False, 0)
     finally:
@@ -387,17 +387,23 @@ def test_port_in_use_fails_loudly(server, backend):
 
 def test_health_is_not_serving_until_the_backend_is_ready():
     local = LocalBackend(make_engine(), start=False)
-    server = serve(local, port=0, ready_poll_s=0.02)
+    server = serve(local, port=0, ready_poll_s=0.02, ready_wait_s=0.3)
     try:
         with InferenceClient(server.address, timeout=10) as c:
             assert c.health() == "NOT_SERVING"
             assert c.health("epcluster.v1.Inference") == "NOT_SERVING"
             assert not server.wait_ready(0.1)
-            with pytest.raises(grpc.RpcError) as err:
+            with pytest.raises(grpc.RpcError) as err:  # waited ready_wait_s, then gave up
                 c.complete([5, 6], QUICK)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "retry in a few seconds" in err.value.details()
+            assert ("grpc-retry-pushback-ms", "2000") in err.value.trailing_metadata()
 
+            server.servicer.ready_wait_s = 30.0  # a request now waits for the backend
+            waiting = c.generate([5, 6], QUICK)
+            time.sleep(0.2)
             local.start()
+            assert [len(m.token_ids) for m in waiting] == [1, 1]
             assert server.wait_ready(5)
             assert c.health() == c.health("epcluster.v1.Inference") == "SERVING"
             assert c.complete([5, 6], QUICK).num_completion_tokens == 2
