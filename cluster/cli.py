@@ -142,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size,
         kv_transport=args.kv_transport,
+        drain_timeout_s=args.drain_timeout,
     )
     if config.ray_address is None:
         # A local Ray stays on loopback; Ray reads this when it is first imported.
@@ -155,9 +156,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     cluster = Cluster(config).start()
+    # NOTE: again: ray.init installs its own SIGTERM handler (it aborts the process), which
+    # would end the streams in flight instead of draining them.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    if stop.is_set():  # a signal during start-up: stop without serving
+        cluster.shutdown(drain_s=0)
+        return 0
     try:
         print(
             f"epcluster: ready on {cluster.address} (gRPC epcluster.v1.Inference; "
@@ -165,9 +177,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         stop.wait()
-        print("epcluster: shutting down", flush=True)
+        cluster.server.drain()
+        print(
+            f"epcluster: draining (up to {config.drain_timeout_s:.0f} s): new requests are "
+            "refused, streams in flight finish",
+            flush=True,
+        )
     finally:
         cluster.shutdown()
+    print("epcluster: stopped", flush=True)
     return 0
 
 
@@ -188,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--kv-cache-bytes", type=int, help="KV cache budget per rank")
     serve.add_argument("--block-size", type=int)
     serve.add_argument("--kv-transport", choices=["object_store", "p2p"])
+    serve.add_argument(
+        "--drain-timeout", type=float, help="seconds in-flight streams get on SIGTERM / Ctrl-C"
+    )
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a continuation (in-process or via --target)")

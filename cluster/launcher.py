@@ -57,6 +57,7 @@ class Cluster:
                     reserve_wait_s=c.reserve_wait_s,
                     recovery_wait_s=c.recovery_wait_s,
                     max_resumes=c.max_resumes,
+                    kv_p2p=c.kv_transport == "p2p",
                 ),
                 HealthConfig(stall_timeout_s=c.rank_stall_timeout_s),
                 control=self,
@@ -100,6 +101,13 @@ class Cluster:
             )
         log.info("%s pool re-formed in %.1f s", name, time.monotonic() - started)
         return pool.handles()
+
+    async def rebuild_kv(self) -> None:
+        """PoolControl: every rank of both pools joins a new p2p KV transport group."""
+        kv_master = await self.pools["prefill"].kv_master()
+        actors = [a for pool in self.pools.values() for a in pool.actors]
+        await asyncio.gather(*(a.rejoin_kv.remote(kv_master) for a in actors))
+        log.info("p2p KV transport group rebuilt (epoch %d)", kv_master[1])
 
     def start_ray(self) -> None:
         """Start a local Ray (or join config.ray_address); start() does this first."""

@@ -81,6 +81,7 @@ class Pool:
                     kv_transport=c.kv_transport,
                     kv_rank=self.kv_offset + r,
                     kv_world=kv_world,
+                    kv_timeout_s=c.kv_transfer_timeout_s,
                 )
             )
             for r in range(self.num_ranks)

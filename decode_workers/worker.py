@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.kv_transfer import KVTransport
@@ -25,6 +26,9 @@ class DecodeWorker(Rank):
         self._owner: dict[str, str] = {}  # request id -> router id
         self._leases: dict[str, float] = {}  # router id -> time.monotonic() its lease ends
         self._reaper: asyncio.Task | None = None
+        # NOTE: p2p receives wait for their turn (the sender's order): one thread each, never
+        # the default executor's few, or the receive they wait for could find no thread.
+        self._kv_threads = ThreadPoolExecutor(max_workers=1000, thread_name_prefix="kv-recv")
 
     @property
     def num_pending(self) -> int:
@@ -57,7 +61,8 @@ class DecodeWorker(Rank):
         rid = request.request_id
         self._owner[rid] = router_id
         try:
-            kv = await asyncio.to_thread(self.transport.receive, kv_handle)
+            loop = asyncio.get_running_loop()
+            kv = await loop.run_in_executor(self._kv_threads, self.transport.receive, kv_handle)
             await self.call(lambda e: e.start_prefilled(request, first, kv))
         except BaseException:
             self._owner.pop(rid, None)
@@ -67,7 +72,8 @@ class DecodeWorker(Rank):
     async def discard_kv(self, kv_handle: Any) -> None:
         """The request ended between its prefill and its start here: take the KV off the
         transport anyway and drop it."""
-        await asyncio.to_thread(self.transport.discard, kv_handle)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._kv_threads, self.transport.discard, kv_handle)
 
     async def abort(self, request_id: str) -> None:
         self._owner.pop(request_id, None)

@@ -5,11 +5,16 @@ The transport has a process group of its own, spanning every prefill and decode 
 cluster, built directly from a store (never the default group: each pool already uses that for
 its expert-parallel group). Its ranks are this group's, not the pools'.
 
+Order: NCCL ignores tags and matches the sends and receives between two ranks in the order they
+are posted, so every send carries its number among the sender's sends to that receiver (`seq`)
+and the receiver posts receives strictly in that order, whatever order the requests' `start`
+calls arrive in (a receive waits for its turn, up to the timeout). Gloo matches by tag too.
+
 NOTE: when one send or recv times out, gloo closes every connection of that rank (not only the
 one to that peer): from then on every transfer of that rank, and every peer's transfer with it,
-fails at once with KVTransferError (an error, not a hang). The caller must fall back
-(ObjectStoreTransport) and replace the transport: all ranks build a new group. NCCL aborts the
-communicator instead.
+fails at once with KVTransferError (an error, not a hang). The router then resumes the request
+with its KV through the object store (GenerateRequest.kv_fallback) and has every rank rebuild
+the group (a new epoch; a handle of an old epoch is refused). NCCL aborts the communicator.
 """
 
 import itertools
@@ -46,9 +51,11 @@ class TorchP2PTransport:
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 30.0,
+        epoch: int = 0,
     ) -> None:
         assert 0 <= rank < world_size, (rank, world_size)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.epoch = epoch
         timeout = timedelta(seconds=timeout_s)
         store = dist.PrefixStore("kv_p2p", store)  # keys apart from any other group on the store
         if backend == "gloo":
@@ -65,6 +72,11 @@ class TorchP2PTransport:
         else:
             raise ValueError(f"unknown backend {backend!r} (gloo or nccl)")
         self._seq = itertools.count()
+        self._send_seq = {dst: itertools.count() for dst in range(world_size)}  # per receiver
+        self._recv_next = dict.fromkeys(range(world_size), 0)  # per sender: the seq due next
+        self._order = threading.Condition()
+        self.num_received = 0  # transfers received or discarded (for health and tests)
+        self._drop_sends = 0  # debug_drop_sends: sends that are numbered but never posted
         # (work, tensor, handle, dst, deadline), or None to stop
         self._pending: queue.Queue = queue.Queue()
         self._waiter = threading.Thread(target=self._wait_sends, name="kv-p2p-send", daemon=True)
@@ -76,11 +88,15 @@ class TorchP2PTransport:
         assert dst != self.rank and 0 <= dst < self.world_size, (dst, self.rank)
         data = payload.data.to(self.device).contiguous()  # [L, T, C]
         tag = request_tag(payload.request_id, next(self._seq))
-        try:
-            work = self.group.send([data], dst, tag)
-        except RuntimeError as e:  # e.g. the link to dst closed after an earlier timeout
-            where = f"request {payload.request_id} from rank {self.rank} to rank {dst}"
-            raise KVTransferError(f"KV send of {where} failed: {e}") from e
+        with self._order:  # numbers and posts in one order
+            seq = next(self._send_seq[dst])
+            lost = self._drop_sends > 0  # the receiver waits for it, then times out
+            self._drop_sends -= lost
+            try:
+                work = None if lost else self.group.send([data], dst, tag)
+            except RuntimeError as e:  # e.g. the link to dst closed after an earlier timeout
+                where = f"request {payload.request_id} from rank {self.rank} to rank {dst}"
+                raise KVTransferError(f"KV send of {where} failed: {e}") from e
         handle = P2PHandle(
             request_id=payload.request_id,
             src=self.rank,
@@ -88,27 +104,58 @@ class TorchP2PTransport:
             shape=tuple(data.shape),
             dtype=str(data.dtype).removeprefix("torch."),
             num_cached_tokens=payload.num_cached_tokens,
+            seq=seq,
+            epoch=self.epoch,
         )
-        self._pending.put((work, data, handle, dst, time.monotonic() + self.timeout_s))
+        if work is not None:
+            self._pending.put((work, data, handle, dst, time.monotonic() + self.timeout_s))
         return handle
 
-    def receive(self, handle: P2PHandle) -> KVPayload:
+    def debug_drop_sends(self, n: int) -> None:
+        """Test hook: the next n sends get numbers and handles but are never posted (lost)."""
+        self._drop_sends = n
+
+    def receive(self, handle: P2PHandle | KVPayload) -> KVPayload:
         """Receive the tensor a handle describes -> KVPayload with data [L, T, C] on this
-        transport's device (the CPU for gloo). Raises KVTransferError on timeout or error."""
+        transport's device (the CPU for gloo); a KVPayload (the prefill rank fell back to the
+        object store) is returned as it is. Receives from one sender are posted in its send
+        order. Raises KVTransferError on timeout or error."""
+        if isinstance(handle, KVPayload):
+            return handle
         dtype = getattr(torch, handle.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise KVTransferError(f"request {handle.request_id}: bad dtype {handle.dtype!r}")
-        data = torch.empty(handle.shape, dtype=dtype, device=self.device)  # [L, T, C]
         where = f"request {handle.request_id} from rank {handle.src} to rank {self.rank}"
+        if handle.epoch != self.epoch:
+            raise KVTransferError(f"KV of {where} was sent on an older transport group")
+        data = torch.empty(handle.shape, dtype=dtype, device=self.device)  # [L, T, C]
+        with self._order:
+            if not self._order.wait_for(
+                lambda: self._recv_next[handle.src] >= handle.seq, self.timeout_s
+            ):
+                raise KVTransferError(
+                    f"KV of {where} (#{handle.seq}) waited {self.timeout_s:.0f} s for "
+                    f"#{self._recv_next[handle.src]} of that sender, which never came"
+                )
+            if self._recv_next[handle.src] > handle.seq:
+                raise KVTransferError(f"KV of {where} (#{handle.seq}) was received already")
+            try:
+                work = self.group.recv([data], handle.src, handle.tag)
+            except RuntimeError as e:
+                raise KVTransferError(f"KV of {where} (tag {handle.tag}) failed: {e}") from e
+            finally:
+                self._recv_next[handle.src] += 1
+                self._order.notify_all()
         try:
-            work = self.group.recv([data], handle.src, handle.tag)
             work.wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             raise KVTransferError(f"KV of {where} (tag {handle.tag}) failed: {e}") from e
+        self.num_received += 1
         return KVPayload(handle.request_id, data, handle.num_cached_tokens)
 
-    def discard(self, handle: P2PHandle) -> None:
-        """Receive and drop a transfer nobody will use, so the sender's send completes."""
+    def discard(self, handle: P2PHandle | KVPayload) -> None:
+        """Receive and drop a transfer nobody will use, so the sender's send completes (and the
+        receives after it get their turn)."""
         self.receive(handle)
 
     def close(self) -> None:

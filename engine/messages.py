@@ -35,6 +35,7 @@ class GenerateRequest:
     seed: int  # resolved: the router draws one when the client gives none
     deadline: float | None = None  # time.time() after which the request is aborted
     resume: Resume | None = None
+    kv_fallback: bool = False  # a p2p KV transfer of this request failed: use the object store
 
     @property
     def known_token_ids(self) -> list[int]:
@@ -114,6 +115,8 @@ class P2PHandle:
     shape: tuple[int, ...]  # [L, T, C]
     dtype: str  # "float32", "bfloat16", ...
     num_cached_tokens: int
+    seq: int = 0  # the send's number among src's sends to this dst: receives go in this order
+    epoch: int = 0  # the transport group it was sent on (the group is rebuilt after a failure)
 
 
 @dataclass(slots=True)

@@ -65,6 +65,7 @@ class RankConfig:
     kv_transport: str = "object_store"  # or "p2p": torch.distributed point-to-point
     kv_rank: int = 0  # this rank's index in the cluster-wide KV transport group (p2p)
     kv_world: int = 1
+    kv_timeout_s: float = 30.0  # a p2p KV transfer (and its turn) before it counts as failed
 
     def __post_init__(self) -> None:
         if self.pool not in ("prefill", "decode"):
@@ -139,7 +140,10 @@ class Rank(abc.ABC):
         store = rendezvous_store(
             f"kv-{port}", addr, port, c.kv_world, c.kv_rank == owner, c.dist_timeout_s
         )
-        return TorchP2PTransport(store, c.kv_rank, c.kv_world, c.dist_backend)
+        # the store's port tells groups apart: a rebuilt group is a new epoch
+        return TorchP2PTransport(
+            store, c.kv_rank, c.kv_world, c.dist_backend, c.kv_timeout_s, epoch=port
+        )
 
     async def rejoin_kv(self, kv_master: KVMaster) -> None:
         """Join a new KV transport group (the old one lost a member: a pool was re-formed).
@@ -178,6 +182,10 @@ class Rank(abc.ABC):
     @abc.abstractmethod
     def num_pending(self) -> int:
         """Requests this rank's asyncio side is still tracking (waiting calls, owners)."""
+
+    def debug_drop_kv_sends(self, n: int) -> None:
+        """Test hook: the next n p2p KV sends of this rank are lost (never posted)."""
+        self.transport.debug_drop_sends(n)
 
     def debug_block(self, seconds: float) -> None:
         """Test hook: the engine thread sleeps `seconds` (a hung rank, as a stuck collective

@@ -3,11 +3,14 @@ its first token is sampled, the engine hands the request off as a PrefillResult 
 and the prompt's latent KV), and its blocks go back to the prefix cache."""
 
 import asyncio
+import logging
 from typing import Any
 
-from engine.kv_transfer import KVTransport
+from engine.kv_transfer import KVTransferError, KVTransport
 from engine.messages import GenerateRequest, KVPayload, RequestOutput, StepResult
 from engine.rank import Rank, RankConfig
+
+log = logging.getLogger(__name__)
 
 
 class PrefillAborted(RuntimeError):
@@ -51,7 +54,13 @@ class PrefillWorker(Rank):
             raise
         finally:
             self._waiting.pop(rid, None)
-        return first, (None if kv is None else self.transport.send(kv, kv_dst))
+        if kv is None or request.kv_fallback:  # done here, or the KV goes as an object
+            return first, kv
+        try:
+            return first, self.transport.send(kv, kv_dst)
+        except KVTransferError as e:  # the p2p link is down: the payload travels as an object
+            log.warning("KV of %s goes through the object store: %s", rid, e)
+            return first, kv
 
     async def abort(self, request_id: str) -> None:
         """End the request here however far it got; a prefill call waiting on it raises."""

@@ -73,6 +73,11 @@ class KVTransferFailed(RuntimeError):
     """The prompt's KV did not reach the decode rank; the request ends with an error."""
 
 
+class _P2PTransferFailed(RuntimeError):
+    """A point-to-point KV transfer failed: resume the request with its KV through the object
+    store, and rebuild the transport group."""
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
     kv_lease_s: float = 30.0  # a reservation not renewed or started for this long is released
@@ -81,6 +86,7 @@ class RoutingConfig:
     max_resumes: int = 3  # resumes of one request after rank failures, then UNAVAILABLE
     prefill_max_imbalance: int = 4096  # queued prompt tokens before affinity gives way to load
     affinity_blocks: int = 1  # prompt blocks whose hash picks the preferred prefill rank
+    kv_p2p: bool = False  # KV goes point to point: a failed transfer falls back to objects
 
     def __post_init__(self) -> None:
         for name in ("kv_lease_s", "reserve_wait_s", "recovery_wait_s"):
@@ -115,6 +121,7 @@ class _Route:
     kv: Any = None  # the transport's handle of the prompt's KV until the decode rank has it
     done: bool = False  # finished on a rank: nothing left to abort there
     started: bool = False  # the decode rank took the request (its reservation is used)
+    kv_fallback: bool = False  # its p2p transfer failed once: the object store from now on
 
 
 class ClusterBackend:
@@ -149,6 +156,9 @@ class ClusterBackend:
         self._pending_poll = -1  # the status poll _decode_pending counts from
         self._readers: list[asyncio.Task] = []
         self._renewer: asyncio.Task | None = None
+        self._kv_rebuild: asyncio.Task | None = None
+        self.num_kv_fallbacks = 0  # requests resumed through the object store after a p2p error
+        self.num_kv_rebuilds = 0
         self._started = False
 
     # ---- lifecycle ----
@@ -240,7 +250,7 @@ class ClusterBackend:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            why = f"its delta stream broke: {e}"
+            why = f"its delta stream broke: {e.why if isinstance(e, RankFailed) else e}"
         if self.pools["decode"].generation == generation:
             self.pools.fail("decode", i, why)
 
@@ -300,6 +310,12 @@ class ClusterBackend:
                         ) from e
                     route.resumes += 1
                     log.info("resuming %s after %s (%d tokens sent)", cid, e, len(route.token_ids))
+                except _P2PTransferFailed as e:
+                    await asyncio.shield(self._release(route))
+                    route.kv_fallback = True
+                    self.num_kv_fallbacks += 1
+                    self._rebuild_kv_group()
+                    log.warning("resuming %s through the object store: %s", cid, e)
         finally:
             del self._by_client[cid]
             self._routes.pop(route.wire.request_id, None)
@@ -309,7 +325,9 @@ class ClusterBackend:
         self._routes.pop(route.wire.request_id, None)
         resume = Resume(list(route.token_ids), route.text) if route.token_ids else None
         wire_id = f"{self.router_id}-{next(self._seq)}"
-        route.wire = dataclasses.replace(route.request, request_id=wire_id, resume=resume)
+        route.wire = dataclasses.replace(
+            route.request, request_id=wire_id, resume=resume, kv_fallback=route.kv_fallback
+        )
         route.queue = asyncio.Queue()
         route.first = route.kv = None
         route.done = route.started = False
@@ -389,6 +407,8 @@ class ClusterBackend:
         except (RankFailed, asyncio.CancelledError):
             raise
         except Exception as e:
+            if self.routing.kv_p2p and not route.kv_fallback:
+                raise _P2PTransferFailed(str(e)) from e
             raise KVTransferFailed(
                 f"the prompt's KV cache did not reach decode rank {route.decode}: {e}"
             ) from e
@@ -402,6 +422,21 @@ class ClusterBackend:
                 return
             route.done = delta.finished
             yield delta
+
+    def _rebuild_kv_group(self) -> None:
+        """One rebuild of the p2p KV group at a time (in the background)."""
+        control = self.pools.control
+        if control is None or (self._kv_rebuild is not None and not self._kv_rebuild.done()):
+            return
+
+        async def rebuild() -> None:
+            try:
+                await control.rebuild_kv()
+                self.num_kv_rebuilds += 1
+            except Exception:
+                log.exception("rebuilding the KV transport group failed")
+
+        self._kv_rebuild = asyncio.create_task(rebuild())
 
     async def _release(self, route: _Route) -> None:
         """Abort the current attempt where it may still hold blocks (an unused decode

@@ -40,6 +40,11 @@ class PoolControl(Protocol):
         the current placement loaded); -> the new rank handles, ready."""
         ...
 
+    async def rebuild_kv(self) -> None:
+        """Have every rank of both pools join a new point-to-point KV transport group (after
+        a transfer failed: gloo closes a rank's links after a timeout)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class HealthConfig:

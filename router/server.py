@@ -39,12 +39,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.backend = backend
         self.admission = admission
         self.ready_wait_s = ready_wait_s  # a request waits this long for a backend not ready
+        self.draining = False  # stopping: new requests are refused, streams in flight go on
         self.in_flight: set[str] = set()  # request ids with an open stream on this router
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         start = time.monotonic()
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "this router is shutting down: retry (on another router)",
+                trailing_metadata=((RETRY_PUSHBACK, "1000"),),
+            )
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
         try:
@@ -199,6 +206,10 @@ class RouterServer:
         """Block until health reports SERVING (the backend is ready); False on timeout."""
         return self._serving.wait(timeout)
 
+    def drain(self) -> None:
+        """Refuse new requests from now on (streams in flight go on); stop() finishes."""
+        self.servicer.draining = True
+
     def stop(self, grace: float | None = 1.0, then: Coroutine | None = None) -> None:
         """Drain and stop: health goes NOT_SERVING, new calls are refused, in-flight streams get
         `grace` seconds to finish, then are cancelled (which aborts their requests in the
@@ -259,6 +270,7 @@ class RouterServer:
             await asyncio.sleep(self.ready_poll_s)
 
     async def _stop(self, grace: float | None) -> None:
+        self.servicer.draining = True
         self._poll.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._poll

@@ -4,6 +4,8 @@ decode rank receives equals, bit for bit, the tensor the prefill rank built from
 import logging.handlers
 import os
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -57,18 +59,31 @@ def _transfer_worker(rank: int, transport: TorchP2PTransport, handles: list) -> 
         return
     mine = [rid for rid, case in CASES.items() if case[4] == rank]
     got = {h.request_id: h for h in (handles[rank].get(timeout=30) for _ in mine)}
-    for request_id in reversed(mine):  # out of send order: the tags must match them up
-        _, shape, dtype, cached, _ = CASES[request_id]
-        handle = got[request_id]
-        if request_id in DISCARDED:
-            transport.discard(handle)
-            continue
-        assert isinstance(handle, P2PHandle) and handle.src == 0, handle
-        assert handle.shape == shape and handle.dtype == str(dtype).removeprefix("torch.")
-        payload = transport.receive(handle)
-        assert payload.request_id == request_id and payload.num_cached_tokens == cached
-        assert payload.data.dtype == dtype and payload.data.shape == shape
-        assert torch.equal(payload.data, _expected(request_id)), request_id
+    errors = []
+
+    def take(request_id):  # each on its own thread, as a decode rank's start calls are
+        try:
+            _, shape, dtype, cached, _ = CASES[request_id]
+            handle = got[request_id]
+            if request_id in DISCARDED:
+                transport.discard(handle)
+                return
+            assert isinstance(handle, P2PHandle) and handle.src == 0, handle
+            assert handle.shape == shape and handle.dtype == str(dtype).removeprefix("torch.")
+            payload = transport.receive(handle)
+            assert payload.request_id == request_id and payload.num_cached_tokens == cached
+            assert payload.data.dtype == dtype and payload.data.shape == shape
+            assert torch.equal(payload.data, _expected(request_id)), request_id
+        except BaseException as e:
+            errors.append(e)
+
+    # out of send order: the transport posts them in order, the tags match them up
+    threads = [threading.Thread(target=take, args=(rid,)) for rid in reversed(mine)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
 
 
 def _timeout_worker(rank: int, transport: TorchP2PTransport, done) -> None:
@@ -100,3 +115,54 @@ def test_tag_fits_31_bits_and_differs_per_send() -> None:
     tags = {request_tag(f"req-{i % 3}", seq) for i, seq in enumerate(range(2**16 - 10, 2**16 + 10))}
     assert len(tags) == 20 and all(0 <= t < 2**31 for t in tags)
     assert request_tag("req-a", 7) == request_tag("req-a", 7 + 2**16)  # the documented wrap
+
+
+def _order_worker(rank: int, transport: TorchP2PTransport, handles) -> None:
+    if rank == 0:
+        for request_id in ("first", "second", "third"):
+            handles.put(transport.send(KVPayload(request_id, _expected("req-a"), 0), 1))
+        return
+    got = [handles.get(timeout=30) for _ in range(3)]
+    posted = []
+
+    class Recording:  # the group, recording the order of the receives posted on it
+        def __init__(self, group):
+            self.group = group
+
+        def recv(self, tensors, src, tag):
+            posted.append(tag)
+            return self.group.recv(tensors, src, tag)
+
+    transport.group = Recording(transport.group)
+    # The decode rank's start calls arrive last-sent first; the receives must still be posted
+    # in send order (NCCL matches by posting order, not by tag).
+    threads = [threading.Thread(target=transport.receive, args=(h,)) for h in reversed(got)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(30)
+    assert [h.seq for h in got] == [0, 1, 2]
+    assert posted == [h.tag for h in got], (posted, [h.tag for h in got])
+    assert transport.num_received == 3
+    transport.group = transport.group.group
+
+
+@pytest.mark.timeout(120)
+def test_receives_are_posted_in_send_order() -> None:
+    _run(_order_worker, 2, 30.0, SPAWN.Queue())
+
+
+def _old_epoch_worker(rank: int, transport: TorchP2PTransport) -> None:
+    if rank == 1:
+        stale = P2PHandle("old", src=0, tag=1, shape=(1, 1, 1), dtype="float32",
+                          num_cached_tokens=0, epoch=transport.epoch + 1)  # fmt: skip
+        with pytest.raises(KVTransferError, match="older transport group"):
+            transport.receive(stale)
+        payload = KVPayload("fell-back", torch.ones(1, 2, 3), 0)
+        assert transport.receive(payload) is payload  # an object-store fallback passes through
+
+
+@pytest.mark.timeout(120)
+def test_a_handle_of_another_group_is_refused_and_payloads_pass_through() -> None:
+    _run(_old_epoch_worker, 2, 30.0)

@@ -114,6 +114,7 @@ class FakeDecode(FakeRank):
         self._check()
         self.started.append((request, kv))
         if self.fail_start:  # the real rank releases the reservation before raising
+            self.fail_start -= 1
             self.reserved.discard(request.request_id)
             raise KVTransferError("the link to the prefill rank is down")
         self.reserved.remove(request.request_id)
@@ -163,6 +164,10 @@ class FakeControl:
     def __init__(self, delay: float = 0.05) -> None:
         self.delay, self.calls, self.new = delay, [], {}
         self.hang = False
+        self.kv_rebuilds = 0
+
+    async def rebuild_kv(self) -> None:
+        self.kv_rebuilds += 1
 
     async def reform(self, pool: str):
         self.calls.append(pool)
@@ -295,7 +300,7 @@ def test_abort_deadline_or_close_during_the_decode_ends_it_on_both_ranks(how):
 def test_failed_kv_start_raises_and_aborts_on_both_ranks():
     async def main():
         backend, prefill, decode = await started_backend()
-        decode.fail_start = True
+        decode.fail_start = 1
         stream = backend.generate(request("f"))
         assert tokens([await anext(stream)]) == [100]  # the first token reached the client
         with pytest.raises(KVTransferFailed, match="did not reach decode rank 0: the link"):
@@ -464,6 +469,23 @@ def test_blocks_reserved_since_the_last_status_count_until_a_fresh_one():
             out = [d async for d in backend.generate(request(f"s{i}", max_tokens=1))]
             assert out[-1].finish_reason == "length"
         assert backend._decode_pending[0] <= 10
+        await backend.close()
+
+    run(main())
+
+
+def test_with_p2p_a_failed_transfer_resumes_through_the_object_store():
+    async def main():
+        control = FakeControl()
+        backend, prefill, decode = await started_backend(control=control, kv_p2p=True)
+        decode.fail_start = 1
+        deltas = [d async for d in backend.generate(request("p2p", max_tokens=5))]
+        assert tokens(deltas) == [100, 101, 102, 103, 104]
+        assert [r.kv_fallback for r in prefill.calls] == [False, True]
+        assert prefill.calls[1].resume.token_ids == [100]  # the first token was sent already
+        await wait_for(lambda: control.kv_rebuilds == 1)
+        assert backend.num_kv_fallbacks == 1 and backend.num_kv_rebuilds == 1
+        assert not decode.reserved and not decode.running
         await backend.close()
 
     run(main())
