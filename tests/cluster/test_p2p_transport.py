@@ -1,5 +1,6 @@
-"""The cluster with the torch.distributed point-to-point KV transport (gloo here, NCCL on GPUs):
-the same tokens as the in-process engine, and no block left behind."""
+"""The cluster with the torch.distributed point-to-point KV transport (gloo here, NCCL on GPUs),
+serving the trained default model: the same tokens and text as the in-process engine, and no block
+left behind."""
 
 import asyncio
 
@@ -16,12 +17,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def test_p2p_transport_gives_the_engine_tokens():
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (5, 40, 90, 17, 64, 3)]
+    prompts += ["In Python,", "A class"]  # a test_tiny_preset prompt; the README's, greedy
     params = [
         SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
         for i in range(len(prompts))
     ]
     want = LLM("tiny").generate(prompts, params)
-    cluster = start_cluster(kv_transport="p2p", prefill_ranks=1, decode_ranks=2)
+    cluster = start_cluster(model="tiny", kv_transport="p2p", prefill_ranks=1, decode_ranks=2)
     try:
 
         async def run():
@@ -32,6 +34,7 @@ def test_p2p_transport_gives_the_engine_tokens():
 
         got = asyncio.run(run())
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.text for o in got] == [o.text for o in want]
         with InferenceClient(cluster.address, timeout=60) as client:
             status = wait_quiet(client)
             decode = next(p for p in status.pools if p.name == "decode")
