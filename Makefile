@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PROMPT ?= The expert-parallel cluster says
+PROMPT ?= A class
 
 .PHONY: install run generate test lint proto clean
 

@@ -173,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(
             f"epcluster: ready on {cluster.address} (gRPC epcluster.v1.Inference; "
-            f"try: epcluster generate --target {cluster.address} --prompt hello)",
+            f"try: epcluster generate --target {cluster.address} --prompt 'A class')",
             flush=True,
         )
         stop.wait()
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="start Ray pools and the gRPC router")
     serve.add_argument("--config", help="YAML file (see deploy/config.example.yaml)")
-    serve.add_argument("--model", help="preset (tiny, small) or checkpoint directory")
+    serve.add_argument("--model", help="preset (tiny, tiny-random, small) or checkpoint directory")
     serve.add_argument("--prefill-ranks", type=int)
     serve.add_argument("--decode-ranks", type=int)
     serve.add_argument("--host")

@@ -66,15 +66,16 @@ class CheckpointReader:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A preset name ('tiny', 'small') or a checkpoint directory -> the directory."""
-    from moe.presets import PRESETS, ensure_preset
+    """A preset name ('tiny', 'tiny-random', 'small') or a checkpoint directory -> the directory."""
+    from moe.presets import ensure_preset, preset_names
 
-    if isinstance(model, str) and model in PRESETS:
+    if isinstance(model, str) and model in preset_names():
         return ensure_preset(model)
     path = Path(model)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
+            f"{model!r} is neither a preset ({', '.join(preset_names())}) nor a directory with "
+            "config.json"
         )
     return path
 

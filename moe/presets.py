@@ -1,8 +1,11 @@
-"""Embedded default models: DeepSeek-V3-style configs with deterministic random weights, written
-once as real HF-format checkpoints (config.json, model.safetensors, tokenizer.json) into a cache
-folder, so they load through the same loader as any checkpoint.
+"""Embedded models, all DeepSeek-V3 layout, each a real HF-format checkpoint directory (config.json,
+model.safetensors, tokenizer.json) that loads through the same loader as any checkpoint.
 
-tiny: for tests (0.36M parameters). small: for benchmarks (273.97M, 100.6M active per token).
+tiny: the default, trained on Python's language reference (moe/train_tiny.py); its checkpoint is
+  committed under moe/weights/tiny and installs with the package (1.9M parameters).
+tiny-random: deterministic random weights, for tests that need its shapes (0.36M parameters).
+small: deterministic random weights, for benchmarks (273.97M, 100.6M active per token).
+The random ones are written once into a cache folder.
 """
 
 import hashlib
@@ -19,7 +22,7 @@ from safetensors.torch import save_file
 from moe.config import ModelConfig
 from moe.model import DeepseekForCausalLM
 
-_V3 = dict(
+V3_DEFAULTS = dict(
     model_type="deepseek_v3",
     architectures=["DeepseekV3ForCausalLM"],
     hidden_act="silu",
@@ -37,9 +40,11 @@ _V3 = dict(
     torch_dtype="float32",
 )
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        _V3,
+TRAINED: dict[str, Path] = {"tiny": Path(__file__).parent / "weights" / "tiny"}
+
+PRESETS: dict[str, dict[str, Any]] = {  # random weights
+    "tiny-random": dict(
+        V3_DEFAULTS,
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -63,7 +68,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         initializer_range=0.1,
     ),
     "small": dict(
-        _V3,
+        V3_DEFAULTS,
         vocab_size=32000,
         hidden_size=768,
         intermediate_size=2048,
@@ -94,8 +99,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("EPCLUSTER_CACHE", Path.home() / ".cache" / "epcluster"))
 
 
+def preset_names() -> list[str]:
+    return [*TRAINED, *PRESETS]
+
+
 def ensure_preset(name: str) -> Path:
-    """The preset's checkpoint directory, written on first use (atomically: a rename)."""
+    """The preset's checkpoint directory: the packaged one of a trained preset, or the cached one
+    of a random preset, written on first use (atomically: a rename)."""
+    if name in TRAINED:
+        return TRAINED[name]
     target = cache_root() / f"{name}-{_VERSION}"
     if (target / "config.json").exists():
         return target

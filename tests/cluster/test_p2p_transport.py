@@ -1,7 +1,7 @@
-"""The cluster with the torch.distributed point-to-point KV transport (gloo here, NCCL on GPUs):
-the same tokens as the in-process engine, and no block left behind; a transfer that is lost
-resumes its request through the object store, the transport group is rebuilt, and later
-transfers go point to point again."""
+"""The cluster with the torch.distributed point-to-point KV transport (gloo here, NCCL on GPUs),
+serving the trained default model: the same tokens and text as the in-process engine, and no
+block left behind; a transfer that is lost resumes its request through the object store, the
+transport group is rebuilt, and later transfers go point to point again."""
 
 import asyncio
 import time
@@ -20,7 +20,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def cluster():
     c = start_cluster(
-        kv_transport="p2p", prefill_ranks=1, decode_ranks=2, kv_transfer_timeout_s=3.0
+        model="tiny",
+        kv_transport="p2p",
+        prefill_ranks=1,
+        decode_ranks=2,
+        kv_transfer_timeout_s=3.0,
     )
     yield c
     c.shutdown()
@@ -30,9 +34,10 @@ def workload(seed: int, n: int = 6):
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, 512, (int(k),), generator=gen).tolist() for k in
                torch.randint(3, 90, (n,), generator=gen)]  # fmt: skip
+    prompts += ["In Python,", "A class"]  # a test_tiny_preset prompt; the README's
     params = [
         SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-        for i in range(n)
+        for i in range(n + 2)
     ]
     return prompts, params
 
@@ -67,6 +72,7 @@ def test_p2p_transport_gives_the_engine_tokens(cluster):
     before = p2p_received(cluster)
     got = run(cluster, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
     assert p2p_received(cluster) - before == len(prompts)  # every KV went point to point
     assert_quiet(cluster)
 
