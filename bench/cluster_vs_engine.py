@@ -1,7 +1,7 @@
 """The cluster (gRPC router + Ray prefill and decode pools) against the in-process engine on the
 same fixed workload, in one run: output tokens/s of each and the ratio.
 
-    .venv/bin/python -m bench.cluster_vs_engine [--model tiny] [--requests 48] [--profile]
+    .venv/bin/python -m bench.cluster_vs_engine [--model tiny-random] [--requests 48] [--profile]
 
 All requests are submitted at once (greedy, EOS ignored). The engine gets 2 torch threads (the
 machine's cores); each cluster rank 1 thread, so the 4 ranks share the same 2 cores.
@@ -52,7 +52,7 @@ def run_cluster(model: str, requests, prefill: int, decode: int) -> tuple[float,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny-random")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--prefill-ranks", type=int, default=2)
     ap.add_argument("--decode-ranks", type=int, default=2)

@@ -142,9 +142,9 @@ def main() -> None:
 
     from bench.common import record
     from moe import ModelConfig
-    from moe.presets import ensure_preset
+    from moe.presets import ensure_preset, preset_names
 
-    path = ensure_preset(args.model) if args.model in ("tiny", "small") else args.model
+    path = ensure_preset(args.model) if args.model in preset_names() else args.model
     mc = ModelConfig.from_file(path)
     setup_netns()
     try:

@@ -1,5 +1,5 @@
-"""A real local Ray cluster: 2 prefill ranks and 2 decode ranks on the tiny model, with the
-gRPC router on 127.0.0.1, shared by the tests of a module."""
+"""A real local Ray cluster: 2 prefill ranks and 2 decode ranks on the tiny-random model (unless
+told otherwise), with the gRPC router on 127.0.0.1, shared by the tests of a module."""
 
 import time
 
@@ -27,7 +27,7 @@ def wait_quiet(client: InferenceClient, timeout: float = 20.0):
 
 
 def make_cluster(**overrides) -> Cluster:
-    return Cluster(ClusterConfig.load(None, **{"port": 0, **overrides}))
+    return Cluster(ClusterConfig.load(None, **{"port": 0, "model": "tiny-random", **overrides}))
 
 
 def start_cluster(**overrides) -> Cluster:

@@ -58,7 +58,7 @@ def workload(n: int = 32):
 
 def test_32_concurrent_streams_equal_the_in_process_engine(cluster):
     prompts, params = workload()
-    want = LLM("tiny").generate(prompts, params)
+    want = LLM("tiny-random").generate(prompts, params)
 
     async def stream(client, prompt, sp):
         return [m async for m in client.generate(prompt, sp)]
@@ -80,7 +80,7 @@ def test_32_concurrent_streams_equal_the_in_process_engine(cluster):
 def test_health_status_and_model_info(client):
     assert client.health() == "SERVING"
     info = client.model_info()
-    assert (info.model, info.model_type, info.vocab_size) == ("tiny", "deepseek_v3", 512)
+    assert (info.model, info.model_type, info.vocab_size) == ("tiny-random", "deepseek_v3", 512)
     assert info.kv_bytes_per_token == 3 * 40 * 4  # layers x (32 + 8) x fp32
     status = client.cluster_status()
     assert [p.name for p in status.pools] == ["prefill", "decode"]

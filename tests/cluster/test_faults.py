@@ -28,7 +28,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def oracle():
-    return LLM("tiny")
+    return LLM("tiny-random")
 
 
 def workload(seed: int, n: int = 32, prompt_len=(8, 120), max_tokens=(30, 70)):

@@ -14,7 +14,7 @@ from engine.messages import GenerateRequest
 from engine.rank import RankConfig
 from prefill_workers import PrefillWorker
 
-ENGINE = EngineConfig(model="tiny", block_size=4)
+ENGINE = EngineConfig(model="tiny-random", block_size=4)
 
 
 class BrokenLink(ObjectStoreTransport):
@@ -52,7 +52,7 @@ async def read(decode, num_requests: int) -> dict[str, list[int]]:
 
 def test_prefill_worker_to_decode_worker_equals_the_engine():
     prompts, params = workload()
-    want = LLM("tiny", block_size=4).generate(prompts, params)
+    want = LLM("tiny-random", block_size=4).generate(prompts, params)
 
     async def main():
         prefill = PrefillWorker(RankConfig("prefill", 0, 1, ENGINE))

@@ -36,8 +36,8 @@ def run_until_done(engine: LLMEngine, outs: dict):
 
 def test_prefill_then_decode_equals_one_engine():
     prompts, params = prompts_and_params()
-    expected = LLM("tiny", block_size=4).generate(prompts, params)
-    cfg = EngineConfig(model="tiny", block_size=4)
+    expected = LLM("tiny-random", block_size=4).generate(prompts, params)
+    cfg = EngineConfig(model="tiny-random", block_size=4)
     prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
     requests = {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -71,7 +71,7 @@ def test_prefill_then_decode_equals_one_engine():
 
 
 def test_failed_import_and_expired_reservation_free_blocks(monkeypatch):
-    cfg = EngineConfig(model="tiny", block_size=4)
+    cfg = EngineConfig(model="tiny-random", block_size=4)
     prefill, decode = LLMEngine(cfg), LLMEngine(cfg)
     prompt, sp = list(range(2, 30)), SamplingParams(max_tokens=4)
     req = prefill.add_request("a", prompt, sp, prefill_only=True)

@@ -9,7 +9,7 @@ from engine import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", block_size=4, max_num_batched_tokens=64)
+    return LLM("tiny-random", block_size=4, max_num_batched_tokens=64)
 
 
 def random_prompts(n, lo, hi, seed=0, vocab=512):
@@ -41,7 +41,7 @@ def test_prefix_caching_computes_less_and_changes_nothing():
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     results = {}
     for caching in (True, False):
-        llm = LLM("tiny", block_size=4, enable_prefix_caching=caching)
+        llm = LLM("tiny-random", block_size=4, enable_prefix_caching=caching)
         llm.generate([prefix + [5]], params)  # round 1 fills the cache with the prefix
         before = llm.engine.num_computed_tokens
         outs = llm.generate([prefix + s for s in suffixes], params)  # round 2
@@ -60,11 +60,11 @@ def test_preemption_gives_the_same_outputs_and_leaks_nothing():
         SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
         for i in range(12)
     ]
-    roomy = LLM("tiny", block_size=4)
+    roomy = LLM("tiny-random", block_size=4)
     expected = [o.token_ids for o in roomy.generate(prompts, params)]
     # 40 blocks of 4 tokens: the batch needs ~12 x 14 blocks, so requests must preempt.
     width = roomy.engine.model.config.kv_cache_width * 3 * 4  # bytes per token (3 layers, fp32)
-    tight = LLM("tiny", block_size=4, kv_cache_bytes=40 * 4 * width)
+    tight = LLM("tiny-random", block_size=4, kv_cache_bytes=40 * 4 * width)
     assert tight.engine.block_manager.num_blocks == 40
     got = [o.token_ids for o in tight.generate(prompts, params)]
     assert tight.engine.num_preemptions > 0
@@ -155,7 +155,7 @@ def test_bad_sampling_params():
 
 def test_a_cache_smaller_than_the_context_lowers_it_and_refuses_longer_prompts():
     # 24 blocks of 4 tokens (tiny: 3 layers x 40 numbers x 4 bytes per token): 96 tokens
-    llm = LLM("tiny", block_size=4, kv_cache_bytes=24 * 4 * 3 * 40 * 4)
+    llm = LLM("tiny-random", block_size=4, kv_cache_bytes=24 * 4 * 3 * 40 * 4)
     assert llm.engine.max_model_len == 96  # not the model's 2048: one request always fits
     with pytest.raises(ValueError, match="context is 96: shorten it to at most 95"):
         llm.generate([list(range(2, 100))], SamplingParams(max_tokens=2))
@@ -166,4 +166,4 @@ def test_a_cache_smaller_than_the_context_lowers_it_and_refuses_longer_prompts()
 
 def test_max_model_len_beyond_the_model_is_refused():
     with pytest.raises(ValueError, match="max_model_len: 4096 is more than the model's"):
-        LLM("tiny", max_model_len=4096)
+        LLM("tiny-random", max_model_len=4096)

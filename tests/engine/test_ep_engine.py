@@ -29,14 +29,14 @@ def workload():
 
 @pytest.fixture(scope="module")
 def expected():
-    ensure_preset("tiny")  # written once, before ranks race to read it
+    ensure_preset("tiny-random")  # written once, before ranks race to read it
     prompts, params = workload()
-    return [o.token_ids for o in LLM("tiny", block_size=4).generate(prompts, params)]
+    return [o.token_ids for o in LLM("tiny-random", block_size=4).generate(prompts, params)]
 
 
 def ep_rank(rank, num_ranks, tbo, num_slots, share):
     config = EngineConfig(
-        model="tiny",
+        model="tiny-random",
         block_size=4,
         two_batch_overlap=tbo,
         tbo_min_tokens=8,

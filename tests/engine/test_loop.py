@@ -22,7 +22,7 @@ def test_loop_runs_submitted_requests_and_idles_quietly():
         if finished == {"a", "b"}:
             done.set()
 
-    engine = LLMEngine(EngineConfig(model="tiny", block_size=4))
+    engine = LLMEngine(EngineConfig(model="tiny-random", block_size=4))
     loop = EngineLoop(engine, on_step).start()
     try:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

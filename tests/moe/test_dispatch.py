@@ -100,7 +100,7 @@ def _worker(rank: int, num_ranks: int) -> dict:
     oracle, which raises in the rank where it fails."""
     results = {}
     for case, (placement, tokens) in enumerate(CASES[num_ranks]):
-        model = load_model("tiny", experts=placement.rank_experts(rank))
+        model = load_model("tiny-random", experts=placement.rank_experts(rank))
         install_expert_parallel(model, None, placement, rank)
         with torch.inference_mode():
             for layer in MOE_LAYERS:
@@ -118,8 +118,8 @@ def _worker(rank: int, num_ranks: int) -> dict:
 
 @pytest.fixture(scope="module")
 def full_model():
-    ensure_preset("tiny")  # before spawning: the ranks would race to write it
-    return load_model("tiny")
+    ensure_preset("tiny-random")  # before spawning: the ranks would race to write it
+    return load_model("tiny-random")
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_rank_experts_hold_their_slots(full_model):
     placement = _skewed_placement(24, 4)
     assert (placement.logcnt > 1).any(), "the placement should have replicas"
     for rank in range(4):
-        model = load_model("tiny", experts=placement.rank_experts(rank))
+        model = load_model("tiny-random", experts=placement.rank_experts(rank))
         for pos, layer in enumerate(MOE_LAYERS):
             experts = model.model.layers[layer].mlp.experts
             full = full_model.model.layers[layer].mlp.experts
@@ -177,7 +177,7 @@ def test_rank_experts_hold_their_slots(full_model):
 
 def test_install_rejects_a_model_loaded_for_another_rank():
     placement = Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 2)
-    model = load_model("tiny", experts=placement.rank_experts(1))
+    model = load_model("tiny-random", experts=placement.rank_experts(1))
     with pytest.raises(ValueError, match="rank 0 holds experts"):
         install_expert_parallel(model, None, placement, 0)
     with pytest.raises(ValueError, match="MoE layers"):

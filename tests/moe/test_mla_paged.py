@@ -28,7 +28,7 @@ def run_step(model, caches, tables, seqs, new_counts, absorb):
 
 
 def test_absorbed_decode_equals_naive_for_16_steps():
-    model = load_model("tiny")
+    model = load_model("tiny-random")
     c = model.config
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, c.vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 1)]

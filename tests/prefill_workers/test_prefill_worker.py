@@ -13,7 +13,7 @@ from prefill_workers import PrefillWorker
 
 
 def make_worker() -> PrefillWorker:
-    engine = EngineConfig(model="tiny", block_size=4, max_num_batched_tokens=64)
+    engine = EngineConfig(model="tiny-random", block_size=4, max_num_batched_tokens=64)
     return PrefillWorker(RankConfig("prefill", 0, 1, engine))
 
 

@@ -1,5 +1,6 @@
-"""Shared pieces of the router tests: a real LLMEngine on the tiny preset behind LocalBackend,
-the in-process LLM as the oracle, and a way to look at the engine safely from a test."""
+"""Shared pieces of the router tests: a real LLMEngine on the tiny-random preset behind
+LocalBackend, the in-process LLM as the oracle, and a way to look at the engine safely from a
+test."""
 
 import asyncio
 import time
@@ -16,7 +17,7 @@ KV_CACHE_BYTES = 8 << 20  # a few thousand 4-token blocks: small, and usage visi
 def make_engine(**options: object) -> LLMEngine:
     torch.set_num_threads(1)
     options.setdefault("kv_cache_bytes", KV_CACHE_BYTES)
-    return LLMEngine(EngineConfig(model="tiny", block_size=4, **options))
+    return LLMEngine(EngineConfig(model="tiny-random", block_size=4, **options))
 
 
 def on_engine(backend: LocalBackend, fn):
@@ -42,7 +43,7 @@ def wait_idle(backend: LocalBackend, timeout: float = 5.0) -> tuple[bool, int]:
 @pytest.fixture(scope="session")
 def oracle() -> LLM:
     torch.set_num_threads(1)
-    return LLM("tiny", block_size=4)
+    return LLM("tiny-random", block_size=4)
 
 
 @pytest.fixture(scope="module")

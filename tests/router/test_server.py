@@ -444,7 +444,7 @@ def test_model_info_describes_the_served_model(client, backend):
         ),
     )
     assert (info.model, info.model_type, info.vocab_size, info.max_model_len) == (
-        "tiny",
+        "tiny-random",
         "deepseek_v3",
         512,
         max_len,
@@ -465,7 +465,7 @@ def test_cluster_status_when_idle(client, backend):
     assert (status.num_in_flight, status.num_queued, status.num_queued_tokens) == (0, 0, 0)
     raw = client.stub.GetClusterStatus(pb.GetClusterStatusRequest())
     (placement,) = raw.placement
-    assert (placement.pool, placement.layer) == ("local", 1)  # the tiny model's first MoE layer
+    assert (placement.pool, placement.layer) == ("local", 1)  # tiny-random's first MoE layer
     assert [(r.rank, r.num_slots, list(r.expert_ids)) for r in placement.ranks] == [
         (0, 16, list(range(16)))
     ]
