@@ -3,10 +3,12 @@ resumed requests paid for it, side by side with an undisturbed run of the same w
 
     .venv/bin/python -m bench.recovery [--model tiny] [--pool decode] [--requests 16]
 
-A cluster (router + 2 prefill + 2 decode ranks) streams `--requests` seeded requests twice: once
-undisturbed, once with rank 0 of `--pool` killed (SIGKILL) after a quarter of the tokens have
-arrived. Every stream of the second run must equal the first, token for token (the resumed
-requests re-prefill prompt + what they had received; sampling depends on (seed, position)).
+A cluster (router + 2 prefill + 2 decode ranks) streams `--requests` seeded requests: twice
+undisturbed (the first run warms up; the second is the baseline), then once with rank 0 of
+`--pool` killed (SIGKILL): a decode rank after a quarter of the tokens have arrived, a prefill
+rank half a second after the requests went out (long prompts then still queue on it). Every
+stream of the run with the kill must equal the baseline, token for token (the resumed requests
+re-prefill prompt + what they had received; sampling depends on (seed, position)).
 Reported: kill -> health SERVING (as a client polling every 50 ms sees it), the router's own
 failure -> ready time, the longest gap between two tokens of a stream in each run (the pause a
 client saw), and each run's wall time.
@@ -36,6 +38,11 @@ async def stream_all(address: str, requests, fault=None, at_tokens: int = 0):
 
     total = {"tokens": 0, "fired": None}
 
+    async def fire_soon() -> None:
+        await asyncio.sleep(0.5)
+        total["fired"] = time.monotonic()
+        await asyncio.to_thread(fault)
+
     async def one(client, i, prompt, n):
         params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=i)
         tokens, times = [], []
@@ -50,7 +57,11 @@ async def stream_all(address: str, requests, fault=None, at_tokens: int = 0):
         return tokens, times
 
     async with AsyncInferenceClient(address, timeout=3600) as client:
-        outs = await asyncio.gather(*(one(client, i, p, n) for i, (p, n) in enumerate(requests)))
+        calls = [one(client, i, p, n) for i, (p, n) in enumerate(requests)]
+        if fault and at_tokens == 0:
+            calls.append(fire_soon())
+        outs = await asyncio.gather(*calls)
+        outs = outs[: len(requests)]
     return outs, total["fired"]
 
 
@@ -86,11 +97,12 @@ def main() -> None:
     from moe import ModelConfig, resolve_model_path
 
     vocab = ModelConfig.from_file(resolve_model_path(args.model)).vocab_size
-    requests = workload(args.requests, (16, 256), (64, 128), vocab, args.seed)
+    prompts = (256, 1024) if args.pool == "prefill" else (16, 256)
+    requests = workload(args.requests, prompts, (64, 128), vocab, args.seed)
     tokens = sum(n for _, n in requests)
     config = ClusterConfig.load(None, model=args.model, port=0, prefill_ranks=2, decode_ranks=2)
     with Cluster(config) as cluster:
-        asyncio.run(stream_all(cluster.address, [([3, 4, 5], 2)]))  # warm-up
+        asyncio.run(stream_all(cluster.address, requests))  # warm-up
         start = time.monotonic()
         base, _ = asyncio.run(stream_all(cluster.address, requests))
         base_s = time.monotonic() - start
@@ -110,7 +122,8 @@ def main() -> None:
             killed_at.append(time.monotonic())
 
         start = time.monotonic()
-        hit, _ = asyncio.run(stream_all(cluster.address, requests, kill, tokens // 4))
+        at = tokens // 4 if args.pool == "decode" else 0
+        hit, _ = asyncio.run(stream_all(cluster.address, requests, kill, at))
         hit_s = time.monotonic() - start
         watcher.join(600)
         stop.set()
