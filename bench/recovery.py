@@ -51,7 +51,7 @@ async def stream_all(address: str, requests, fault=None, at_tokens: int = 0):
             tokens += msg.token_ids
             times += [now] * len(msg.token_ids)
             total["tokens"] += len(msg.token_ids)
-            if fault and total["fired"] is None and total["tokens"] >= at_tokens:
+            if fault and at_tokens and total["fired"] is None and total["tokens"] >= at_tokens:
                 total["fired"] = time.monotonic()
                 fault()
         return tokens, times

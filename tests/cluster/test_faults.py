@@ -55,8 +55,9 @@ def rank_pid(cluster, pool: str, rank: int) -> int:
 
 
 async def streams_with_a_fault(cluster, prompts, params, fault, after_tokens: int):
-    """Run every request as a stream; call fault() once `after_tokens` tokens have arrived
-    in total (0: right after the requests are sent). -> each request's token ids and text."""
+    """Run every request as a stream; call fault() once: when `after_tokens` tokens have
+    arrived in total, or (0) half a second after the requests were sent. -> each request's
+    token ids and text."""
     received = {"tokens": 0}
     fired = asyncio.Event()
 
@@ -66,7 +67,7 @@ async def streams_with_a_fault(cluster, prompts, params, fault, after_tokens: in
             tokens += msg.token_ids
             text += msg.text
             received["tokens"] += len(msg.token_ids)
-            if received["tokens"] >= after_tokens and not fired.is_set():
+            if after_tokens and received["tokens"] >= after_tokens and not fired.is_set():
                 fired.set()
                 await asyncio.to_thread(fault)
         return tokens, text
