@@ -1,9 +1,13 @@
 """Cluster: Ray, the prefill and decode pools, and the gRPC router, started and stopped together."""
 
 import asyncio
+import contextlib
+import glob
 import logging
 import os
+import tempfile
 import time
+import uuid
 
 import ray
 
@@ -27,6 +31,7 @@ class Cluster:
         self.pools: dict[str, Pool] = {}
         self.server: RouterServer | None = None
         self.backend: ClusterBackend | None = None
+        self.cluster_id = uuid.uuid4().hex[:12]  # names this cluster's rendezvous files
         self._owns_ray = False
 
     @property
@@ -43,7 +48,7 @@ class Cluster:
             self.config = c = self.config.resolve_gpus(ray.cluster_resources().get("GPU", 0))
             path = resolve_model_path(c.model)  # presets are written before the ranks race
             mc = ModelConfig.from_file(path)
-            self.pools = {name: Pool(name, c) for name in ("prefill", "decode")}
+            self.pools = {name: Pool(name, c, self.cluster_id) for name in ("prefill", "decode")}
             self.backend = ClusterBackend(
                 self.pools["prefill"].handles(),
                 self.pools["decode"].handles(),
@@ -107,7 +112,7 @@ class Cluster:
         kv_master = await self.pools["prefill"].kv_master()
         actors = [a for pool in self.pools.values() for a in pool.actors]
         await asyncio.gather(*(a.rejoin_kv.remote(kv_master) for a in actors))
-        log.info("p2p KV transport group rebuilt (epoch %d)", kv_master[1])
+        log.info("p2p KV transport group rebuilt (epoch %d)", kv_master.port)
 
     def start_ray(self) -> None:
         """Start a local Ray (or join config.ray_address); start() does this first."""
@@ -141,6 +146,10 @@ class Cluster:
         for pool in self.pools.values():
             pool.shutdown()
         self.pools = {}
+        # the file stores of this cluster's groups (ranks killed by SIGKILL leave theirs)
+        for path in glob.glob(f"{tempfile.gettempdir()}/epcluster-{self.cluster_id}-*"):
+            with contextlib.suppress(OSError):
+                os.remove(path)
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False

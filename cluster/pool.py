@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 import time
+import uuid
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -20,12 +21,11 @@ from cluster.config import ClusterConfig
 from cluster.handles import DecodeHandle, PrefillHandle
 from decode_workers import DecodeWorker
 from engine.messages import RankStatus
-from engine.rank import RankConfig
+from engine.rank import RankConfig, Rendezvous
 from prefill_workers import PrefillWorker
 
 log = logging.getLogger(__name__)
 WORKERS = {"prefill": PrefillWorker, "decode": DecodeWorker}
-KVMaster = tuple[str, int, int]  # the KV group's store: address, port, the kv rank hosting it
 
 
 def _free_port() -> int:
@@ -35,10 +35,10 @@ def _free_port() -> int:
 
 
 class Pool:
-    def __init__(self, name: str, config: ClusterConfig) -> None:
-        """config: resolved (ClusterConfig.resolve_gpus)."""
+    def __init__(self, name: str, config: ClusterConfig, cluster_id: str) -> None:
+        """config: resolved (ClusterConfig.resolve_gpus); cluster_id: names its rendezvous."""
         assert config.gpus_per_rank is not None, "resolve gpus_per_rank first"
-        self.name, self.config = name, config
+        self.name, self.config, self.cluster_id = name, config, cluster_id
         pool = getattr(config, name)
         self.num_ranks = pool.num_ranks
         # Index of each rank in the cluster-wide KV transport group: prefill ranks, then decode.
@@ -96,18 +96,23 @@ class Pool:
             for r, a in enumerate(self.actors)
         ]
 
-    async def kv_master(self) -> KVMaster:
-        """An address for the cluster-wide KV transport group's store, on this pool's rank 0."""
+    async def rendezvous(self, group: str, owner: int = 0) -> Rendezvous:
+        """A new meeting point for a group, its store on this pool's rank 0's node; owner: the
+        group rank whose process hosts the store."""
         addr, port = await self.actors[0].__ray_call__.remote(_node_address_and_port)
-        return addr, port, self.kv_offset
+        return Rendezvous(f"{self.cluster_id}-{group}-{uuid.uuid4().hex[:8]}", addr, port, owner)
 
-    async def start(self, kv_master: KVMaster | None = None) -> list[RankStatus]:
+    async def kv_master(self) -> Rendezvous:
+        """The cluster-wide KV transport group's rendezvous, hosted by this pool's rank 0."""
+        return await self.rendezvous("kv", owner=self.kv_offset)
+
+    async def start(self, kv_rdzv: Rendezvous | None = None) -> list[RankStatus]:
         """Wait for the placement, form the process group, load the experts; -> per-rank
         readiness (every rank calls init at once: the group forms when all have joined)."""
         await self.placement_group.ready()
-        master = await self.actors[0].__ray_call__.remote(_node_address_and_port)
+        rdzv = await self.rendezvous(f"{self.name}-g{self.generation}")
         started = time.monotonic()
-        statuses = await asyncio.gather(*(a.join.remote(*master, kv_master) for a in self.actors))
+        statuses = await asyncio.gather(*(a.join.remote(rdzv, kv_rdzv) for a in self.actors))
         for s in statuses:
             log.info(
                 "%s rank %d ready (%d KV blocks) after %.1f s",
@@ -118,13 +123,13 @@ class Pool:
             )
         return statuses
 
-    async def reform(self, kv_master: KVMaster | None = None) -> None:
+    async def reform(self, kv_rdzv: Rendezvous | None = None) -> None:
         """Replace every rank: kill the old actors, start new ones in the same bundles, and
         join them at a new rendezvous."""
         self.kill_actors()
         self.generation += 1
         self.actors = self._create_actors()
-        await self.start(kv_master)
+        await self.start(kv_rdzv)
 
     def kill_actors(self) -> None:
         for actor in self.actors:

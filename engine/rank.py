@@ -23,31 +23,42 @@ from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.messages import RankStatus, StepResult
 
-KVMaster = tuple[str, int, int]  # the KV group's store: address, port, the kv rank hosting it
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where a group's ranks meet: a name unique to this forming of the group (the file of a
+    file store, on one machine), the address and port of a TCP store (across machines), and the
+    group rank whose process hosts that store."""
+
+    name: str
+    addr: str
+    port: int
+    owner: int = 0
+
+    @property
+    def file(self) -> str:
+        return f"{tempfile.gettempdir()}/epcluster-{self.name}"
 
 
-def rendezvous_store(
-    name: str, addr: str, port: int, world_size: int, is_master: bool, timeout_s: float
-) -> dist.Store:
-    """Where a group's ranks meet. On one machine (a loopback address) a file store, which
-    listens on no port. Across machines a TCP store whose server listens on `addr` alone (not on
-    every interface, as a store given only a port would)."""
-    if addr.startswith("127."):
-        return dist.FileStore(f"{tempfile.gettempdir()}/epcluster-{name}", world_size)
+def rendezvous_store(rdzv: Rendezvous, world_size: int, rank: int, timeout_s: float) -> dist.Store:
+    """On one machine (a loopback address) a file store, which listens on no port. Across
+    machines a TCP store whose server listens on the address it publishes alone (not on every
+    interface, as a store given only a port would)."""
+    if rdzv.addr.startswith("127."):
+        return dist.FileStore(rdzv.file, world_size)
     timeout = timedelta(seconds=timeout_s)
-    if not is_master:
-        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    listener = socket.create_server((addr, port), family=_family(addr), backlog=128)
-    store = dist.TCPStore(
-        addr,
-        port,
+    if rank != rdzv.owner:
+        return dist.TCPStore(rdzv.addr, rdzv.port, world_size, is_master=False, timeout=timeout)
+    listener = socket.create_server((rdzv.addr, rdzv.port), family=_family(rdzv.addr), backlog=128)
+    return dist.TCPStore(
+        rdzv.addr,
+        rdzv.port,
         world_size,
         is_master=True,
         timeout=timeout,
         master_listen_fd=listener.detach(),
         use_libuv=False,
     )
-    return store
 
 
 def _family(addr: str) -> socket.AddressFamily:
@@ -91,29 +102,20 @@ class Rank(abc.ABC):
 
     # ---- start-up ----
 
-    async def join(
-        self, master_addr: str, master_port: int, kv_master: KVMaster | None = None
-    ) -> RankStatus:
+    async def join(self, rdzv: Rendezvous, kv_rdzv: Rendezvous | None = None) -> RankStatus:
         """Join the pool's process group (every rank of the pool calls this at once), load this
         rank's experts, and start stepping."""
         self._aio = asyncio.get_running_loop()
-        await asyncio.to_thread(self._join, master_addr, master_port, kv_master)
+        await asyncio.to_thread(self._join, rdzv, kv_rdzv)
         return self.status()
 
-    def _join(self, master_addr: str, master_port: int, kv_master: KVMaster | None) -> None:
+    def _join(self, rdzv: Rendezvous, kv_rdzv: Rendezvous | None) -> None:
         c = self.config
         torch.set_num_threads(c.torch_threads)
         if c.num_ranks > 1:
-            if master_addr.startswith("127."):
+            if rdzv.addr.startswith("127."):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback
-            store = rendezvous_store(
-                f"{c.pool}-{master_port}",
-                master_addr,
-                master_port,
-                c.num_ranks,
-                c.rank == 0,
-                c.dist_timeout_s,
-            )
+            store = rendezvous_store(rdzv, c.num_ranks, c.rank, c.dist_timeout_s)
             dist.init_process_group(
                 c.dist_backend,
                 store=store,
@@ -123,32 +125,29 @@ class Rank(abc.ABC):
             )
         if self.transport is None:
             p2p = c.kv_transport == "p2p"
-            self.transport = self._p2p_transport(kv_master) if p2p else ObjectStoreTransport()
+            self.transport = self._p2p_transport(kv_rdzv) if p2p else ObjectStoreTransport()
         self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks)
         self.loop = EngineLoop(
             self.engine, self._step_from_engine_thread, on_stop=self._stopped_on_engine_thread
         ).start()
 
-    def _p2p_transport(self, kv_master: KVMaster | None):
+    def _p2p_transport(self, kv_rdzv: Rendezvous | None):
         """Join the cluster-wide group that carries KV between prefill and decode ranks."""
         from engine.kv_p2p import TorchP2PTransport
 
         c = self.config
-        if kv_master is None:
-            raise ValueError("kv_transport p2p needs the KV group's address")
-        addr, port, owner = kv_master
-        store = rendezvous_store(
-            f"kv-{port}", addr, port, c.kv_world, c.kv_rank == owner, c.dist_timeout_s
-        )
+        if kv_rdzv is None:
+            raise ValueError("kv_transport p2p needs the KV group's rendezvous")
+        store = rendezvous_store(kv_rdzv, c.kv_world, c.kv_rank, c.dist_timeout_s)
         # the store's port tells groups apart: a rebuilt group is a new epoch
         return TorchP2PTransport(
-            store, c.kv_rank, c.kv_world, c.dist_backend, c.kv_timeout_s, epoch=port
+            store, c.kv_rank, c.kv_world, c.dist_backend, c.kv_timeout_s, epoch=kv_rdzv.port
         )
 
-    async def rejoin_kv(self, kv_master: KVMaster) -> None:
+    async def rejoin_kv(self, kv_rdzv: Rendezvous) -> None:
         """Join a new KV transport group (the old one lost a member: a pool was re-formed).
-        Every rank of both pools calls this, or joins with kv_master, at once."""
-        self.transport = await asyncio.to_thread(self._p2p_transport, kv_master)
+        Every rank of both pools calls this, or joins with kv_rdzv, at once."""
+        self.transport = await asyncio.to_thread(self._p2p_transport, kv_rdzv)
 
     def stop(self) -> None:
         if self.loop is not None:

@@ -11,7 +11,9 @@ from decode_workers import DecodeWorker
 from engine import LLM, EngineConfig, SamplingParams
 from engine.kv_transfer import KVTransferError, ObjectStoreTransport
 from engine.messages import GenerateRequest
-from engine.rank import RankConfig
+from engine.rank import RankConfig, Rendezvous
+
+SOLO = Rendezvous("unused", "127.0.0.1", 0)  # a one-rank pool meets nobody
 from prefill_workers import PrefillWorker
 
 ENGINE = EngineConfig(model="tiny-random", block_size=4)
@@ -57,7 +59,7 @@ def test_prefill_worker_to_decode_worker_equals_the_engine():
     async def main():
         prefill = PrefillWorker(RankConfig("prefill", 0, 1, ENGINE))
         decode = DecodeWorker(RankConfig("decode", 0, 1, ENGINE))
-        await asyncio.gather(prefill.join("127.0.0.1", 0), decode.join("127.0.0.1", 0))
+        await asyncio.gather(prefill.join(SOLO), decode.join(SOLO))
         try:
             await decode.register_router("router")
             reader = asyncio.create_task(read(decode, len(prompts)))
@@ -82,7 +84,7 @@ def test_a_failing_transport_ends_the_request_and_frees_the_reservation():
     async def main():
         prefill = PrefillWorker(RankConfig("prefill", 0, 1, ENGINE))
         decode = DecodeWorker(RankConfig("decode", 0, 1, ENGINE), transport=BrokenLink())
-        await asyncio.gather(prefill.join("127.0.0.1", 0), decode.join("127.0.0.1", 0))
+        await asyncio.gather(prefill.join(SOLO), decode.join(SOLO))
         try:
             with pytest.raises(KVTransferError, match="link to the prefill rank is down"):
                 await generate(prefill, decode, "x", list(range(5, 40)), SamplingParams(), 1)

@@ -8,7 +8,9 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.messages import GenerateRequest, KVPayload
-from engine.rank import RankConfig
+from engine.rank import RankConfig, Rendezvous
+
+SOLO = Rendezvous("unused", "127.0.0.1", 0)  # a one-rank pool meets nobody
 from prefill_workers import PrefillWorker
 
 
@@ -24,7 +26,7 @@ def request(rid: str, prompt: list[int], max_tokens: int = 8) -> GenerateRequest
 def test_first_token_and_kv_come_back_together():
     async def main():
         worker = make_worker()
-        await worker.join("127.0.0.1", 0)
+        await worker.join(SOLO)
         try:
             first, kv = await worker.prefill(request("a", list(range(5, 30))))
             assert first.request_id == "a" and len(first.token_ids) == 1
@@ -46,7 +48,7 @@ def test_first_token_and_kv_come_back_together():
 def test_abort_while_the_prompt_runs_leaves_nothing():
     async def main():
         worker = make_worker()
-        await worker.join("127.0.0.1", 0)
+        await worker.join(SOLO)
         try:
             long_prompt = torch.randint(2, 512, (1500,)).tolist()  # 24 steps of 64 tokens
             task = asyncio.create_task(worker.prefill(request("long", long_prompt)))
