@@ -12,9 +12,9 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.kv_transfer import KVTransferError, ObjectStoreTransport
 from engine.messages import GenerateRequest
 from engine.rank import RankConfig, Rendezvous
+from prefill_workers import PrefillWorker
 
 SOLO = Rendezvous("unused", "127.0.0.1", 0)  # a one-rank pool meets nobody
-from prefill_workers import PrefillWorker
 
 ENGINE = EngineConfig(model="tiny-random", block_size=4)
 

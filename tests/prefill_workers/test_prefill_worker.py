@@ -9,9 +9,9 @@ import torch
 from engine import EngineConfig, SamplingParams
 from engine.messages import GenerateRequest, KVPayload
 from engine.rank import RankConfig, Rendezvous
+from prefill_workers import PrefillWorker
 
 SOLO = Rendezvous("unused", "127.0.0.1", 0)  # a one-rank pool meets nobody
-from prefill_workers import PrefillWorker
 
 
 def make_worker() -> PrefillWorker:
