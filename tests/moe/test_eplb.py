@@ -17,7 +17,7 @@ from moe.eplb import (
 
 def test_hot_expert_gets_the_redundant_slots():
     weight = torch.tensor([[10.0, 1.0, 1.0, 1.0]])
-    phy2log, log2phy, logcnt = rebalance_experts(weight, 6, 1, 1, 2)
+    phy2log, log2phy, logcnt = rebalance_experts(weight, 6, 1, 1, 2, method="greedy")
     # Replicas: expert 0 twice (10/2 = 5 > 1, then 10/3 > 1). Items per slot: 10/3 x 3, 1 x 3.
     # Greedy packing, heaviest first: 10/3 -> A, 10/3 -> B, 10/3 -> A (tie), 1 -> B, 1 -> B
     # (B full), 1 -> A.
