@@ -12,40 +12,55 @@ both algorithms and against brute force on tiny shapes.
 import torch
 
 _SLACK = 1e-9  # relative: float rounding may only make a bound smaller, never larger
-_STEPS = 60  # bisection steps
+_STEPS = 40  # bisection steps at most
+_PRECISION = 1e-6  # relative: bisection stops when the bracket is this narrow
+_GRID = 24  # values of y in test (y) of slot_bound
 
 
 def lower_bound(
-    weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: torch.Tensor,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    upper: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """weight [L, E] -> [L] float64: no placement (of rebalance_experts' policy for these
-    arguments) has a max GPU load below it.
+    arguments) has a max GPU load below it. upper [L]: the max GPU load of some placement, only to
+    narrow the search (the bound is valid whatever it is).
 
     Global: the largest of the mean load W / R and the slot bound (`slot_bound`). Hierarchical
     (num_groups % num_nodes == 0 and num_nodes > 1), also: the node bound (`group_bound`), and for
     every group the slot bound of that group alone, on the R / N GPUs of its node with the node's
-    S / N slots less one per expert of the other groups on that node. A hierarchical placement is
-    also a global one, so the global bounds hold for it too.
+    S / N slots less one per expert of the other groups on that node (those slots count as free
+    slots: possibly light replicas). A hierarchical placement is also a global one, so the global
+    bounds hold for it too.
     """
     num_layers, num_log = weight.shape
     assert num_replicas % num_gpus == 0 and num_replicas >= num_log, (num_replicas, num_gpus)
     weight = weight.double().cpu()
-    mean = weight.sum(dim=1) / num_gpus  # [L]
-    bound = torch.maximum(mean, slot_bound(weight, num_replicas, num_gpus))
-    if num_groups % num_nodes == 0 and num_nodes > 1:
+    upper = weight.sum(dim=1) if upper is None else upper.double().cpu()
+    bound = weight.sum(dim=1) / num_gpus  # [L]: the mean
+    hierarchical = num_groups % num_nodes == 0 and num_nodes > 1
+    if hierarchical:
         assert num_log % num_groups == 0 and num_gpus % num_nodes == 0
         group_size, groups_per_node = num_log // num_groups, num_groups // num_nodes
         gpus_per_node = num_gpus // num_nodes
         group_load = weight.view(num_layers, num_groups, group_size).sum(dim=-1)  # [L, G]
         bound = torch.maximum(bound, group_bound(group_load, num_nodes) / gpus_per_node)
+    bound = slot_bound(weight, num_replicas, num_gpus, lower=bound, upper=upper)
+    if hierarchical:
         slots = num_replicas // num_nodes - (groups_per_node - 1) * group_size
         per_group = slot_bound(
             weight.view(num_layers * num_groups, group_size),
             slots,
             gpus_per_node,
             slots_per_rank=num_replicas // num_gpus,
+            free_slots=(groups_per_node - 1) * group_size,
+            lower=bound.repeat_interleave(num_groups),
+            upper=upper.repeat_interleave(num_groups),
         )  # [L * G]
-        bound = torch.maximum(bound, per_group.view(num_layers, num_groups).max(dim=1).values)
+        bound = per_group.view(num_layers, num_groups).max(dim=1).values
     return bound
 
 
@@ -73,19 +88,29 @@ def group_bound(group_load: torch.Tensor, num_nodes: int) -> torch.Tensor:
 
 
 def slot_bound(
-    weight: torch.Tensor, num_slots: int, num_ranks: int, slots_per_rank: int | None = None
+    weight: torch.Tensor,
+    num_slots: int,
+    num_ranks: int,
+    slots_per_rank: int | None = None,
+    free_slots: int = 0,
+    lower: torch.Tensor | None = None,
+    upper: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """weight [X, n] -> [X]: a lower bound on the max rank load over all ways to give n experts
     c_e >= 1 of num_slots slots and pack the replicas slots_per_rank (k) to a rank
-    (default num_slots / num_ranks; a rank may take fewer when the slots are a node's share).
+    (default num_slots / num_ranks). free_slots: slots on the same ranks held by other experts
+    (a node's other groups); they may only help, as the lightest replicas. lower [X]: a known
+    lower bound (the result is at least it); upper [X]: where to start the search from above.
 
     Proof: call T feasible when a placement with max load <= T exists. Then
-    (0) every replica is <= T, so c_e >= m_e = max(1, ceil(w_e / T)) and sum m_e <= S;
-    (j) for 1 <= j < k, at most jR replicas exceed T / (j + 1) (else some rank holds j + 1 of them
+    (0) every replica is <= T, so c_e >= m_e = max(1, ceil(w_e / T)) and sum m_e <= S.
+    (j) For 1 <= j < k, at most jR replicas exceed T / (j + 1) (else some rank holds j + 1 of them
         and exceeds T). An expert with c_e < a_e = ceil((j + 1) w_e / T) has all its c_e replicas
         above T / (j + 1), so the fewest such replicas, given sum c_e <= S, is at least
         sum m_e [m_e < a_e] minus the most a fractional knapsack (value m_e, cost a_e - m_e,
         capacity S - sum m_e) saves: a relaxation, hence a lower value, still a valid test.
+    (y) For 0 < y < T / 2: a replica >= T - y (> T / 2) shares its rank with no other such
+        replica, and with k - 1 replicas <= y; so N(<= y) >= (k - 1) N(>= T - y) (`_pairing`).
     A T that fails a test is not feasible, and then neither is any smaller T: so T < optimum.
     Bisection keeps the largest failing T it met (the tests get easier as T grows, so it lands
     near the least passing T). Test (0) alone gives the least max replica load (what
@@ -94,34 +119,83 @@ def slot_bound(
     weight = weight.double().cpu().clamp(min=0)
     num_rows = weight.shape[0]
     k = num_slots // num_ranks if slots_per_rank is None else slots_per_rank
-    lo = torch.zeros(num_rows, dtype=torch.float64)  # every T <= lo fails (or lo = 0)
-    hi = weight.sum(dim=1).clamp(min=1e-300)  # feasible: one rank can take everything
+    zero = torch.zeros(num_rows, dtype=torch.float64)
+    lo = zero if lower is None else lower.double()  # a bound already, or a failing T
+    hi = weight.sum(dim=1) if upper is None else torch.maximum(upper.double(), lo)
     for _ in range(_STEPS):
+        if bool((hi - lo <= _PRECISION * hi).all()):
+            break
         mid = (lo + hi) / 2
-        fails = ~_passes(weight, mid, num_slots, num_ranks, k)
+        fails = ~_passes(weight, mid, num_slots, num_ranks, k, free_slots)
         lo, hi = torch.where(fails, mid, lo), torch.where(fails, hi, mid)
-    return lo * (1 - _SLACK)
+    failed = lo * (1 - _SLACK)
+    return failed if lower is None else torch.maximum(failed, lower.double())
 
 
-def _passes(weight: torch.Tensor, limit: torch.Tensor, num_slots: int, num_ranks: int,
-            k: int) -> torch.Tensor:
-    """Necessary conditions for a max load <= limit [X]: weight [X, n] -> [X] bool."""
+def _passes(
+    weight: torch.Tensor, limit: torch.Tensor, num_slots: int, num_ranks: int, k: int,
+    free_slots: int
+) -> torch.Tensor:
+    """Tests (0), (j) and (y) of `slot_bound` for a max load <= limit [X]: -> [X] bool."""
     ratio = weight / limit[:, None]  # [X, n]
     need = _ceil(ratio).clamp(min=1)  # [X, n]: m_e
     spare = num_slots - need.sum(dim=1)  # [X]
     ok = spare >= 0
+    spare = spare.clamp(min=0)
     for j in range(1, k):
         split = _ceil((j + 1) * ratio).clamp(min=1)  # a_e
         over = need < split  # [X, n]: at c_e = m_e its replicas exceed limit / (j + 1)
         value = torch.where(over, need, 0.0)
         cost = torch.where(over, split - need, 1.0)
-        order = (value / cost).argsort(dim=1, descending=True)
-        value, cost = value.gather(1, order), cost.gather(1, order)
-        before = cost.cumsum(dim=1) - cost  # [X, n]
-        taken = ((spare.clamp(min=0)[:, None] - before) / cost).clamp(0, 1)
-        fewest = value.sum(dim=1) - (value * taken).sum(dim=1)  # [X]
+        fewest = value.sum(dim=1) - _knapsack(value, cost, spare)  # [X]
         ok &= fewest <= j * num_ranks
+    if k >= 2:
+        ok &= _pairing(weight, limit, need, spare, k, free_slots)
     return ok
+
+
+def _pairing(
+    weight: torch.Tensor, limit: torch.Tensor, need: torch.Tensor, spare: torch.Tensor, k: int,
+    free_slots: int
+) -> torch.Tensor:
+    """Test (y) of `slot_bound` on a grid of y in (0, T / 2): -> [X] bool.
+
+    With c_e replicas of w_e / c_e, expert e adds c_e to phi(y) = N(<= y) - (k - 1) N(>= T - y)
+    if w_e / c_e <= y (a supplier), -(k - 1) c_e if w_e / c_e >= T - y (a demander), else 0.
+    From c_e = m_e, extra slots raise sum phi by at most a fractional knapsack over: a demander
+    turning neutral (cost c_n - m_e, gain (k - 1) m_e, c_n the least c with w_e / c < T - y), any
+    non-supplier turning supplier (cost c_s - m_e, gain c_s plus (k - 1) m_e for a demander, c_s
+    the least c with w_e / c <= y), and 1 per slot otherwise (a supplier's extra replica, or a free
+    slot). Taking both options of one expert only overestimates, so the test stays necessary.
+    """
+    frac = torch.linspace(0, 0.5, _GRID + 2, dtype=weight.dtype)[1:-1]  # [Y]
+    big_t = limit[:, None, None]  # [X, 1, 1]
+    y = big_t * frac[None, :, None]  # [X, Y, 1]
+    w, m = weight[:, None, :], need[:, None, :]  # [X, 1, n]
+    supplier = w <= y * m * (1 + _SLACK)  # [X, Y, n]
+    demander = w >= (big_t - y) * m * (1 + _SLACK)
+    base = torch.where(supplier, m, 0.0) - (k - 1) * torch.where(demander, m, 0.0)
+    c_n = torch.maximum(torch.floor(w / (big_t - y) * (1 - _SLACK)) + 1, m + 1)
+    c_s = torch.maximum(_ceil(w / y), m + 1)
+    neutral_gain = torch.where(demander, (k - 1) * m, 0.0)
+    supply_gain = torch.where(supplier, 0.0, c_s + neutral_gain)
+    gain = torch.cat([neutral_gain, supply_gain], dim=-1)  # [X, Y, 2n]
+    cost = torch.cat([c_n - m, c_s - m], dim=-1)
+    excess = (gain - cost).clamp(min=0)  # what an option adds over 1 per slot
+    budget = spare[:, None].expand(-1, frac.numel())  # [X, Y]
+    total = base.sum(dim=-1) + budget + _knapsack(excess, cost, budget) + free_slots
+    return (total >= 0).all(dim=1)
+
+
+def _knapsack(value: torch.Tensor, cost: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """Fractional knapsack over the last dim: value, cost [..., n] (every cost >= 1),
+    capacity [...]. Only the best ceil(capacity) + 1 items can be (partly) taken."""
+    most = min(value.shape[-1], int(capacity.max()) + 1 if capacity.numel() else 1)
+    order = (value / cost).topk(most, dim=-1).indices
+    value, cost = value.gather(-1, order), cost.gather(-1, order)
+    before = cost.cumsum(dim=-1) - cost
+    taken = ((capacity[..., None] - before) / cost).clamp(0, 1)
+    return (value * taken).sum(dim=-1)
 
 
 def _ceil(x: torch.Tensor) -> torch.Tensor:
