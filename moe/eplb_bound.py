@@ -1,4 +1,4 @@
-"""Lower bounds on the largest GPU load any placement can reach: how far a placement is from optimal.
+"""Lower bounds on the largest GPU load of any placement: how far a placement is from optimal.
 
 Legend: L MoE layers, E logical experts, S physical slots, G expert groups, N nodes, R GPUs,
 k = S / R slots per GPU, X independent rows, n items of a row.
@@ -133,8 +133,12 @@ def slot_bound(
 
 
 def _passes(
-    weight: torch.Tensor, limit: torch.Tensor, num_slots: int, num_ranks: int, k: int,
-    free_slots: int
+    weight: torch.Tensor,
+    limit: torch.Tensor,
+    num_slots: int,
+    num_ranks: int,
+    k: int,
+    free_slots: int,
 ) -> torch.Tensor:
     """Tests (0), (j) and (y) of `slot_bound` for a max load <= limit [X]: -> [X] bool."""
     ratio = weight / limit[:, None]  # [X, n]
@@ -155,8 +159,12 @@ def _passes(
 
 
 def _pairing(
-    weight: torch.Tensor, limit: torch.Tensor, need: torch.Tensor, spare: torch.Tensor, k: int,
-    free_slots: int
+    weight: torch.Tensor,
+    limit: torch.Tensor,
+    need: torch.Tensor,
+    spare: torch.Tensor,
+    k: int,
+    free_slots: int,
 ) -> torch.Tensor:
     """Test (y) of `slot_bound` on a grid of y in (0, T / 2): -> [X] bool.
 

@@ -36,8 +36,9 @@ def rebalance_experts_with_moves(
     load, then fewest moves) of: current (0 moves); local search from current (moe.eplb_search)
     with the budget; and rebalance_experts' placement aligned to current, when its moves fit.
     So it is never worse than current, and with max_moves >= S never worse than
-    rebalance_experts. Hierarchical policy (num_groups % num_nodes == 0): the local search keeps
-    each expert on its node, in the layers where current already does.
+    rebalance_experts (up to float rounding: aligning reorders each GPU's sum).
+    Hierarchical policy (num_groups % num_nodes == 0): the local search keeps each expert on its
+    node, in the layers where current already does (in the others it moves them freely).
     Returns phy2log [L, S], log2phy [L, E, X], logcnt [L, E] int64, like rebalance_experts.
     """
     num_layers, num_log = weight.shape
@@ -47,6 +48,8 @@ def rebalance_experts_with_moves(
     current = current.long().cpu()
     budget = torch.as_tensor(max_moves, dtype=torch.int64).expand(num_layers).clone()
     assert bool((budget >= 0).all()), budget
+    if not bool(budget.any()):
+        return current, *build_log2phy(current, num_log)
     nodes = num_nodes if num_groups % num_nodes == 0 else 1
     expert_node, rank_node = _node_constraint(current, num_log, num_gpus, nodes)
     searched = local_search(
@@ -62,9 +65,11 @@ def rebalance_experts_with_moves(
     target = align_placement(target, current, num_gpus, nodes)
     candidates = torch.stack([current, searched, target], dim=1)  # [L, 3, S]
     moves = (candidates != current[:, None, :]).sum(dim=-1)  # [L, 3]
-    peak = gpu_loads(
-        weight.repeat_interleave(3, dim=0), candidates.flatten(0, 1), num_gpus
-    ).max(dim=1).values.view(num_layers, 3)  # [L, 3]
+    peak = (
+        gpu_loads(weight.repeat_interleave(3, dim=0), candidates.flatten(0, 1), num_gpus)
+        .max(dim=1)
+        .values.view(num_layers, 3)
+    )  # [L, 3]
     peak = torch.where(moves <= budget[:, None], peak, torch.inf)
     best = _lexicographic_argmin(peak, moves)  # [L]: smallest peak, then fewest moves
     phy2log = candidates[torch.arange(num_layers), best]

@@ -57,7 +57,9 @@ def local_search(
     for _ in range(max_steps):
         if active.numel() == 0:
             break
-        row = _Row(weight[active], slot2log[active], num_ranks, expert_node[active], rank_node[active])
+        row = _Row(
+            weight[active], slot2log[active], num_ranks, expert_node[active], rank_node[active]
+        )
         budget = None
         if reference is not None:
             ref = reference[active]
@@ -108,8 +110,13 @@ class _Row:
         self.star_node = self.rank_node.gather(1, self.rstar[:, None])  # [a, 1]
 
     def select(self, rows: torch.Tensor) -> "_Row":
-        return _Row(self.w[rows], self.p2l[rows], self.num_ranks, self.expert_node[rows],
-                    self.rank_node[rows])
+        return _Row(
+            self.w[rows],
+            self.p2l[rows],
+            self.num_ranks,
+            self.expert_node[rows],
+            self.rank_node[rows],
+        )
 
     def swaps(self):
         """A slot of r* [a, k] against every slot [a, S]: C = k * S."""
@@ -170,7 +177,9 @@ class _Row:
         new_load = w_new / (c_new + 1)
         d_new = new_load - w_new / c_new  # [a, C]
         on_rank = torch.zeros(a, num_log * num_ranks, dtype=self.w.dtype)
-        on_rank.scatter_add_(1, self.p2l * num_ranks + self.slot_rank, torch.ones_like(self.per_slot))
+        on_rank.scatter_add_(
+            1, self.p2l * num_ranks + self.slot_rank, torch.ones_like(self.per_slot)
+        )
         on_rank = on_rank.view(a, num_log, num_ranks)  # [a, n, R]: replicas of e on rank r
         idx = lambda e: e[:, :, None].expand(-1, -1, num_ranks)  # noqa: E731
         load = (
@@ -188,8 +197,10 @@ class _Row:
         """The best edit of each row and whether it improves the row: (edits [a] x 4, ok [a])."""
         edits, new_max, dsq, valid = candidates
         if budget is not None:
-            valid = valid & (_moves_delta(self.p2l, budget[1], edits) <= (
-                budget[0] - (self.p2l != budget[1]).sum(1))[:, None])
+            valid = valid & (
+                _moves_delta(self.p2l, budget[1], edits)
+                <= (budget[0] - (self.p2l != budget[1]).sum(1))[:, None]
+            )
         tol = _REL_TOL * self.lmax[:, None]
         lower = new_max < self.lmax[:, None] - tol
         flatter = (new_max <= self.lmax[:, None]) & (dsq < -tol * self.lmax[:, None])
@@ -201,8 +212,7 @@ class _Row:
 
 
 def _targets(
-    w: torch.Tensor, cnt: torch.Tensor, on_star: torch.Tensor, allowed: torch.Tensor,
-    num: int = 8
+    w: torch.Tensor, cnt: torch.Tensor, on_star: torch.Tensor, allowed: torch.Tensor, num: int = 8
 ) -> torch.Tensor:
     """Experts worth one more replica [a, B]: those on the most loaded rank (on_star [a, k]), the
     `num` whose replicas would get the lightest (tiny replicas fill up heavy ranks: with 2 slots
