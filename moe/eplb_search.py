@@ -11,7 +11,8 @@ the sum over its slots of load[e] / count[e]. Every edit starts from the most lo
   b), or b already has a replica on r* (any slot), so that b's replicas on r* get lighter.
 A row takes an edit when it lowers the row's largest rank load, or keeps it and lowers the sum of
 squared rank loads; both strictly decrease (max, sum of squares), so the search ends. Swaps are
-tried first (cheap); reassignments only when no swap helps.
+tried first (cheap); reassignments only when no swap helps. Under a budget of moves all edits
+compete, each scored by its drop per moved slot (a swap moves 2 slots, a reassignment 1).
 
 Constraints: `expert_node` / `rank_node` keep every slot of a rank on a node holding only that
 node's experts (hierarchical placements); `reference` with `max_moves` bounds the slots whose
@@ -60,20 +61,22 @@ def local_search(
         row = _Row(
             weight[active], slot2log[active], num_ranks, expert_node[active], rank_node[active]
         )
-        budget = None
-        if reference is not None:
+        if reference is not None:  # every edit competes, scored per moved slot
+            candidates = row.swaps()
+            if num_slots > num_log:
+                candidates = _concat(candidates, row.reassignments())
             ref = reference[active]
-            budget = (max_moves[active], ref)
-        edits, ok = row.best(row.swaps(), budget)
-        stuck = ~ok
-        if bool(stuck.any()) and num_slots > num_log:
-            sub = stuck.nonzero().flatten()
-            row_s = row.select(sub)
-            budget_s = None if budget is None else (budget[0][sub], budget[1][sub])
-            edits_s, ok_s = row_s.best(row_s.reassignments(), budget_s)
-            for e, es in zip(edits, edits_s, strict=True):
-                e[sub] = es
-            ok[sub] = ok_s
+            left = max_moves[active] - (slot2log[active] != ref).sum(dim=1)
+            edits, ok = row.best(candidates, ref, left)
+        else:  # swaps first: cheap; reassignments where no swap helps
+            edits, ok = row.best(row.swaps())
+            stuck = (~ok).nonzero().flatten()
+            if stuck.numel() and num_slots > num_log:
+                part = row.select(stuck)
+                edits_s, ok_s = part.best(part.reassignments())
+                for e, es in zip(edits, edits_s, strict=True):
+                    e[stuck] = es
+                ok[stuck] = ok_s
         rows = active[ok]
         slot_x, new_x, slot_y, new_y = (e[ok] for e in edits)
         slot2log[rows, slot_x] = new_x
@@ -187,28 +190,38 @@ class _Row:
             + on_rank.gather(1, idx(old)) * d_old[:, :, None]
             + on_rank.gather(1, idx(dst)) * d_new[:, :, None]
         )  # [a, C, R]
-        fix = (new_load - up_old)[:, :, None] * torch.nn.functional.one_hot(src_rank, num_ranks)
-        load = load + fix
+        load.scatter_add_(2, src_rank[:, :, None], (new_load - up_old)[:, :, None])
         new_max = load.max(dim=-1).values
         dsq = (load**2).sum(dim=-1) - (self.load**2).sum(dim=-1)[:, None]
         return new_max, dsq, valid
 
-    def best(self, candidates, budget):
-        """The best edit of each row and whether it improves the row: (edits [a] x 4, ok [a])."""
+    def best(self, candidates, reference=None, left=None):
+        """The best edit of each row and whether it improves the row: (edits [a] x 4, ok [a]).
+
+        Best: the largest drop of the max rank load, then of the sum of squares. With reference
+        [a, S] and left [a] (moves still allowed), edits that fit, each drop per moved slot."""
         edits, new_max, dsq, valid = candidates
-        if budget is not None:
-            valid = valid & (
-                _moves_delta(self.p2l, budget[1], edits)
-                <= (budget[0] - (self.p2l != budget[1]).sum(1))[:, None]
-            )
-        tol = _REL_TOL * self.lmax[:, None]
-        lower = new_max < self.lmax[:, None] - tol
-        flatter = (new_max <= self.lmax[:, None]) & (dsq < -tol * self.lmax[:, None])
+        per_move = torch.ones_like(new_max)
+        if reference is not None:
+            delta = _moves_delta(self.p2l, reference, edits)  # [a, C]
+            valid = valid & (delta <= left[:, None])
+            per_move = delta.clamp(min=1).to(new_max.dtype)
+        lmax = self.lmax[:, None]
+        tol = _REL_TOL * lmax
+        lower = new_max < lmax - tol
+        flatter = (new_max <= lmax) & (dsq < -tol * lmax)
         better = valid & (lower | flatter)
-        least = torch.where(better, new_max, torch.inf).min(dim=1, keepdim=True).values
-        near = better & (new_max <= least + tol)
-        pick = torch.where(near, dsq, torch.inf).argmin(dim=1, keepdim=True)  # [a, 1]
+        drop = torch.where(better, (lmax - new_max) / per_move, -torch.inf)
+        near = better & (drop >= drop.max(dim=1, keepdim=True).values - tol)
+        pick = torch.where(near, -dsq / per_move, -torch.inf).argmax(dim=1, keepdim=True)
         return [e.gather(1, pick).flatten() for e in edits], better.any(dim=1)
+
+
+def _concat(*candidates):
+    """Join candidate lists (edits, new_max, dsq, valid) along the candidate dim."""
+    edits = [torch.cat(parts, dim=1) for parts in zip(*(c[0] for c in candidates), strict=True)]
+    rest = [torch.cat(parts, dim=1) for parts in zip(*(c[1:] for c in candidates), strict=True)]
+    return edits, *rest
 
 
 def _targets(
