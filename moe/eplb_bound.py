@@ -11,10 +11,15 @@ both algorithms and against brute force on tiny shapes.
 
 import torch
 
+from moe.eplb_groups import block_weights, group_partitions
+
 _SLACK = 1e-9  # relative: float rounding may only make a bound smaller, never larger
 _STEPS = 40  # bisection steps at most
 _PRECISION = 1e-6  # relative: bisection stops when the bracket is this narrow
 _GRID = 24  # values of y in test (y) of slot_bound
+# Test (y) binds when a GPU has few slots (2 for DeepSeek-V3 decode); with 5 and more it never
+# did on bench/eplb.py's shapes and costs 20x the rest, so it is left out there (still a bound).
+_PAIRING_MAX_SLOTS = 4
 
 
 def lower_bound(
@@ -29,12 +34,14 @@ def lower_bound(
     arguments) has a max GPU load below it. upper [L]: the max GPU load of some placement, only to
     narrow the search (the bound is valid whatever it is).
 
-    Global: the largest of the mean load W / R and the slot bound (`slot_bound`). Hierarchical
-    (num_groups % num_nodes == 0 and num_nodes > 1), also: the node bound (`group_bound`), and for
-    every group the slot bound of that group alone, on the R / N GPUs of its node with the node's
-    S / N slots less one per expert of the other groups on that node (those slots count as free
-    slots: possibly light replicas). A hierarchical placement is also a global one, so the global
-    bounds hold for it too.
+    Global: the largest of the mean load W / R and the slot bound (`slot_bound`). A hierarchical
+    placement (num_groups % num_nodes == 0 and num_nodes > 1) is also a global one, so those hold
+    for it too; and it puts some partition of the groups on the nodes, each node's experts on its
+    R / N GPUs with its S / N slots. When the partitions are few (moe.eplb_groups): the least, over
+    partitions, of the largest, over their nodes, of the node's slot bound (at least the node's
+    mean). Else: the node bound (`group_bound`), and for every group the slot bound of that group
+    alone on its node, with the node's S / N slots less one per expert of the other groups there
+    (those slots count as free slots: possibly light replicas).
     """
     num_layers, num_log = weight.shape
     assert num_replicas % num_gpus == 0 and num_replicas >= num_log, (num_replicas, num_gpus)
@@ -49,19 +56,32 @@ def lower_bound(
         group_load = weight.view(num_layers, num_groups, group_size).sum(dim=-1)  # [L, G]
         bound = torch.maximum(bound, group_bound(group_load, num_nodes) / gpus_per_node)
     bound = slot_bound(weight, num_replicas, num_gpus, lower=bound, upper=upper)
-    if hierarchical:
-        slots = num_replicas // num_nodes - (groups_per_node - 1) * group_size
-        per_group = slot_bound(
-            weight.view(num_layers * num_groups, group_size),
-            slots,
-            gpus_per_node,
-            slots_per_rank=num_replicas // num_gpus,
-            free_slots=(groups_per_node - 1) * group_size,
-            lower=bound.repeat_interleave(num_groups),
-            upper=upper.repeat_interleave(num_groups),
-        )  # [L * G]
-        bound = per_group.view(num_layers, num_groups).max(dim=1).values
-    return bound
+    if not hierarchical:
+        return bound
+    node_args = (num_replicas // num_nodes, gpus_per_node)
+    found = group_partitions(num_groups, groups_per_node)
+    if found is not None:  # every partition of the groups into nodes: the best one's worst node
+        blocks, partitions = found
+        rows = block_weights(weight, num_groups, blocks)  # [L, B, E / N]
+        per_block = slot_bound(
+            rows.flatten(0, 1),
+            *node_args,
+            lower=rows.sum(dim=-1).flatten() / gpus_per_node,
+            upper=upper.repeat_interleave(len(blocks)),
+        ).view(num_layers, -1)  # [L, B]
+        best = per_block[:, partitions].max(dim=-1).values.min(dim=1).values  # [L]
+        return torch.maximum(bound, best)
+    slots = node_args[0] - (groups_per_node - 1) * group_size
+    per_group = slot_bound(
+        weight.view(num_layers * num_groups, group_size),
+        slots,
+        gpus_per_node,
+        slots_per_rank=num_replicas // num_gpus,
+        free_slots=(groups_per_node - 1) * group_size,
+        lower=bound.repeat_interleave(num_groups),
+        upper=upper.repeat_interleave(num_groups),
+    )  # [L * G]
+    return per_group.view(num_layers, num_groups).max(dim=1).values
 
 
 def group_bound(group_load: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -110,7 +130,8 @@ def slot_bound(
         sum m_e [m_e < a_e] minus the most a fractional knapsack (value m_e, cost a_e - m_e,
         capacity S - sum m_e) saves: a relaxation, hence a lower value, still a valid test.
     (y) For 0 < y < T / 2: a replica >= T - y (> T / 2) shares its rank with no other such
-        replica, and with k - 1 replicas <= y; so N(<= y) >= (k - 1) N(>= T - y) (`_pairing`).
+        replica, and with k - 1 replicas <= y; so N(<= y) >= (k - 1) N(>= T - y) (`_pairing`;
+        only for k <= _PAIRING_MAX_SLOTS).
     A T that fails a test is not feasible, and then neither is any smaller T: so T < optimum.
     Bisection keeps the largest failing T it met (the tests get easier as T grows, so it lands
     near the least passing T). Test (0) alone gives the least max replica load (what
@@ -153,7 +174,7 @@ def _passes(
         cost = torch.where(over, split - need, 1.0)
         fewest = value.sum(dim=1) - _knapsack(value, cost, spare)  # [X]
         ok &= fewest <= j * num_ranks
-    if k >= 2:
+    if 2 <= k <= _PAIRING_MAX_SLOTS:
         ok &= _pairing(weight, limit, need, spare, k, free_slots)
     return ok
 
