@@ -11,11 +11,11 @@ both algorithms and against brute force on tiny shapes.
 
 import torch
 
-from moe.eplb_groups import block_weights, group_partitions
+from moe.eplb_groups import block_weights, group_partitions, quick_max
 
 _SLACK = 1e-9  # relative: float rounding may only make a bound smaller, never larger
 _STEPS = 40  # bisection steps at most
-_PRECISION = 1e-6  # relative: bisection stops when the bracket is this narrow
+_PRECISION = 1e-5  # relative: bisection stops when the bracket is this narrow
 _GRID = 24  # values of y in test (y) of slot_bound
 # Test (y) binds when a GPU has few slots (2 for DeepSeek-V3 decode); with 5 and more it never
 # did on bench/eplb.py's shapes and costs 20x the rest, so it is left out there (still a bound).
@@ -63,11 +63,16 @@ def lower_bound(
     if found is not None:  # every partition of the groups into nodes: the best one's worst node
         blocks, partitions = found
         rows = block_weights(weight, num_groups, blocks)  # [L, B, E / N]
+        # a real placement of each block's node bounds its bound from above; no partition needs
+        # more than the best partition of those
+        quick = quick_max(rows, *node_args)  # [L, B]
+        best_quick = quick[:, partitions].max(dim=-1).values.min(dim=1).values  # [L]
+        cap = torch.minimum(quick, torch.minimum(upper, best_quick)[:, None])
         per_block = slot_bound(
             rows.flatten(0, 1),
             *node_args,
             lower=rows.sum(dim=-1).flatten() / gpus_per_node,
-            upper=upper.repeat_interleave(len(blocks)),
+            upper=cap.flatten(),
         ).view(num_layers, -1)  # [L, B]
         best = per_block[:, partitions].max(dim=-1).values.min(dim=1).values  # [L]
         return torch.maximum(bound, best)
@@ -141,14 +146,16 @@ def slot_bound(
     num_rows = weight.shape[0]
     k = num_slots // num_ranks if slots_per_rank is None else slots_per_rank
     zero = torch.zeros(num_rows, dtype=torch.float64)
-    lo = zero if lower is None else lower.double()  # a bound already, or a failing T
+    lo = zero if lower is None else lower.double().clone()  # a bound already, or a failing T
     hi = weight.sum(dim=1) if upper is None else torch.maximum(upper.double(), lo)
     for _ in range(_STEPS):
-        if bool((hi - lo <= _PRECISION * hi).all()):
+        live = (hi - lo > _PRECISION * hi).nonzero().flatten()  # rows still bisecting
+        if live.numel() == 0:
             break
-        mid = (lo + hi) / 2
-        fails = ~_passes(weight, mid, num_slots, num_ranks, k, free_slots)
-        lo, hi = torch.where(fails, mid, lo), torch.where(fails, hi, mid)
+        mid = (lo[live] + hi[live]) / 2
+        fails = ~_passes(weight[live], mid, num_slots, num_ranks, k, free_slots)
+        lo[live] = torch.where(fails, mid, lo[live])
+        hi[live] = torch.where(fails, hi[live], mid)
     failed = lo * (1 - _SLACK)
     return failed if lower is None else torch.maximum(failed, lower.double())
 
@@ -191,29 +198,44 @@ def _pairing(
 
     With c_e replicas of w_e / c_e, expert e adds c_e to phi(y) = N(<= y) - (k - 1) N(>= T - y)
     if w_e / c_e <= y (a supplier), -(k - 1) c_e if w_e / c_e >= T - y (a demander), else 0.
-    From c_e = m_e, extra slots raise sum phi by at most a fractional knapsack over: a demander
-    turning neutral (cost c_n - m_e, gain (k - 1) m_e, c_n the least c with w_e / c < T - y), any
-    non-supplier turning supplier (cost c_s - m_e, gain c_s plus (k - 1) m_e for a demander, c_s
-    the least c with w_e / c <= y), and 1 per slot otherwise (a supplier's extra replica, or a free
-    slot). Taking both options of one expert only overestimates, so the test stays necessary.
+    From c_e = m_e, every extra slot adds 1 (a supplier's extra replica, or a free slot), or buys
+    an option: a demander turning neutral (c_n - m_e slots, c_n the least c with w_e / c < T - y,
+    for (k - 1) m_e), or a non-supplier turning supplier (c_s - m_e slots, c_s the least c with
+    w_e / c <= y, for c_s plus (k - 1) m_e for a demander). Counted over 1 per slot, an option
+    adds its excess. An expert takes at most one option: the concave hull of (0, 0) and its two
+    (slots, excess) points, split into two knapsack items, bounds what it can add for any number
+    of slots; a fractional knapsack over all items bounds the sum, so the test stays necessary.
     """
-    frac = torch.linspace(0, 0.5, _GRID + 2, dtype=weight.dtype)[1:-1]  # [Y]
-    big_t = limit[:, None, None]  # [X, 1, 1]
-    y = big_t * frac[None, :, None]  # [X, Y, 1]
-    w, m = weight[:, None, :], need[:, None, :]  # [X, 1, n]
-    supplier = w <= y * m * (1 + _SLACK)  # [X, Y, n]
-    demander = w >= (big_t - y) * m * (1 + _SLACK)
-    base = torch.where(supplier, m, 0.0) - (k - 1) * torch.where(demander, m, 0.0)
-    c_n = torch.maximum(torch.floor(w / (big_t - y) * (1 - _SLACK)) + 1, m + 1)
-    c_s = torch.maximum(_ceil(w / y), m + 1)
-    neutral_gain = torch.where(demander, (k - 1) * m, 0.0)
-    supply_gain = torch.where(supplier, 0.0, c_s + neutral_gain)
-    gain = torch.cat([neutral_gain, supply_gain], dim=-1)  # [X, Y, 2n]
-    cost = torch.cat([c_n - m, c_s - m], dim=-1)
-    excess = (gain - cost).clamp(min=0)  # what an option adds over 1 per slot
-    budget = spare[:, None].expand(-1, frac.numel())  # [X, Y]
-    total = base.sum(dim=-1) + budget + _knapsack(excess, cost, budget) + free_slots
+    frac = torch.linspace(0, 0.5, _GRID + 2, dtype=weight.dtype)[1:-1, None]  # [Y, 1]: y / T
+    r = (weight / limit[:, None])[:, None, :]  # [X, 1, n]: w_e / T
+    m = need[:, None, :]  # [X, 1, n]
+    supplier = r <= frac * m * (1 + _SLACK)  # [X, Y, n]: w_e / m_e <= y
+    demander = r >= (1 - frac) * m * (1 + _SLACK)  # w_e / m_e >= T - y
+    base = (supplier * m).sum(dim=-1) - (k - 1) * (demander * m).sum(dim=-1)  # [X, Y]
+    cost_n = (torch.floor(r / (1 - frac) * (1 - _SLACK)) + 1 - m).clamp(min=1)
+    cost_s = (_ceil(r / frac) - m).clamp(min=1)
+    excess_n = torch.where(demander, ((k - 1) * m - cost_n).clamp(min=0), 0.0)
+    excess_s = torch.where(supplier, 0.0, m * (1 + (k - 1) * demander))
+    value, cost = _hull(cost_n, excess_n, cost_s, excess_s)  # [X, Y, 2n]
+    budget = spare[:, None].expand_as(base)  # [X, Y]
+    total = base + budget + _knapsack(value, cost, budget) + free_slots
     return (total >= 0).all(dim=1)
+
+
+def _hull(cost_a, value_a, cost_b, value_b):
+    """Two options per item (cost >= 1, value >= 0) -> two knapsack items [..., 2n] (value,
+    cost >= 1) whose fractional use traces the concave hull of (0, 0) and the two options."""
+    swap = cost_a > cost_b  # order the options by cost: a the cheaper
+    cost_a, cost_b = torch.where(swap, cost_b, cost_a), torch.where(swap, cost_a, cost_b)
+    value_a, value_b = torch.where(swap, value_b, value_a), torch.where(swap, value_a, value_b)
+    # b alone when a lies under the line from (0, 0) to b; then a's item is empty
+    direct = value_a * cost_b < value_b * cost_a
+    first_value = torch.where(direct, value_b, value_a)
+    first_cost = torch.where(direct, cost_b, cost_a)
+    second_value = torch.where(direct, 0.0, (value_b - value_a).clamp(min=0))
+    second_cost = torch.where(direct, 1.0, (cost_b - cost_a).clamp(min=1))
+    value = torch.cat([first_value, second_value], dim=-1)
+    return value, torch.cat([first_cost, second_cost], dim=-1)
 
 
 def _knapsack(value: torch.Tensor, cost: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Expert load balancing: hand-computed cases, brute force on tiny shapes, and properties on
 random loads (the greedy and the search, DeepSeek-V3-like shapes included)."""
 
+import itertools
 import math
 
 import pytest
@@ -16,6 +17,8 @@ from moe.eplb import (
     replicate_experts,
 )
 from moe.eplb_bound import lower_bound
+from moe.eplb_groups import group_partitions
+from moe.eplb_search import pack_rounds
 from tests.moe.eplb_cases import assert_valid, brute_force_optimum, max_load, zipf_weight
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -263,3 +266,30 @@ def test_never_worse_than_greedy_on_zipf_loads(shape):
     assert bool((after < before * (1 - 1e-4)).any())
     bound = lower_bound(weight, *args, upper=after)
     assert bool((bound <= after.double() * (1 + 1e-6)).all())
+
+
+def test_group_partitions_enumerates_every_split():
+    blocks, partitions = group_partitions(4, 2)
+    splits = {tuple(sorted(tuple(blocks[b].tolist()) for b in p)) for p in partitions}
+    assert splits == {((0, 1), (2, 3)), ((0, 2), (1, 3)), ((0, 3), (1, 2))}
+    assert len(group_partitions(8, 2)[1]) == 105  # DeepSeek-V3: 8 groups on 4 nodes
+    assert len(group_partitions(6, 3)[1]) == 10
+    assert group_partitions(16, 4) is None  # 2.6 million: local search instead
+
+
+def test_pack_rounds_pairs_optimally_with_two_slots_per_gpu():
+    """With 2 slots per GPU, heaviest with lightest is the best pairing: brute force over every
+    assignment of 8 replicas to 4 GPUs."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        weight = torch.rand(1, 5, generator=gen, dtype=torch.float64)
+        counts = torch.tensor([[2, 1, 3, 1, 1]])
+        slot2log, peak = pack_rounds(weight, counts, 4)
+        assert torch.equal(torch.bincount(slot2log[0], minlength=5), counts[0])
+        assert float(peak) == pytest.approx(float(max_load(weight, slot2log, 4)))
+        replicas = (weight / counts)[0].repeat_interleave(counts[0]).tolist()
+        best = min(
+            max(order[2 * g] + order[2 * g + 1] for g in range(4))
+            for order in itertools.permutations(replicas)
+        )
+        assert float(peak) == pytest.approx(best)
