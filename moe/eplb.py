@@ -1,6 +1,7 @@
 """Expert-parallel load balancing: which experts get replicas, and which GPU holds each slot.
 
-Legend: L MoE layers, E logical experts, S physical slots (replicas), G expert groups, N nodes,
+Legend (kernels/__init__.py): L MoE layers, E logical experts, S physical slots (replicas), G
+expert groups, ND nodes,
 R GPUs (ranks), X max replicas of one expert (or independent rows of a batched step).
 
 Given the tokens each logical expert received, the greedy (DeepSeek's EPLB) gives the redundant
@@ -71,21 +72,21 @@ def rebalance_hierarchical(
     nm2log = inverse_permutation(log2nm)  # [L, E]
 
     # Step 2: replicate the hottest experts within each node: one row per (layer, node).
-    node_weight = weight.gather(1, nm2log).view(-1, log_per_node)  # [L * N, E / N]
-    phy2nm, nm_cnt = replicate_experts(node_weight, phy_per_node)  # [L * N, S / N]
+    node_weight = weight.gather(1, nm2log).view(-1, log_per_node)  # [L * ND, E / ND]
+    phy2nm, nm_cnt = replicate_experts(node_weight, phy_per_node)  # [L * ND, S / ND]
 
     # Step 3: pack each node's physical experts onto its GPUs, by load per replica.
-    phy_load = (node_weight / nm_cnt).gather(1, phy2nm)  # [L * N, S / N]
-    gpu, pos = balanced_packing(phy_load, num_gpus // num_nodes)  # [L * N, S / N]
+    phy_load = (node_weight / nm_cnt).gather(1, phy2nm)  # [L * ND, S / ND]
+    gpu, pos = balanced_packing(phy_load, num_gpus // num_nodes)  # [L * ND, S / ND]
     packed2phy = inverse_permutation(
         gpu * phy_per_gpu + pos
-    )  # [L * N, S / N]: slot -> physical expert
-    slot2nm = phy2nm.gather(1, packed2phy)  # [L * N, S / N]: slot -> node-local expert
+    )  # [L * ND, S / ND]: slot -> physical expert
+    slot2nm = phy2nm.gather(1, packed2phy)  # [L * ND, S / ND]: slot -> node-local expert
     if search:
         slot2nm = count_search(node_weight, slot2nm, num_gpus // num_nodes)
         nm_cnt = torch.zeros_like(nm_cnt).scatter_add_(1, slot2nm, torch.ones_like(slot2nm))
 
-    node_base = torch.arange(num_nodes)[None, :, None] * log_per_node  # [1, N, 1]
+    node_base = torch.arange(num_nodes)[None, :, None] * log_per_node  # [1, ND, 1]
     slot2nm = slot2nm.view(num_layers, num_nodes, -1) + node_base
     phy2log = nm2log.gather(1, slot2nm.flatten(1))  # [L, S]
     logcnt = nm_cnt.view(num_layers, -1).gather(1, log2nm)  # [L, E]

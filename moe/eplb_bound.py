@@ -1,6 +1,7 @@
 """Lower bounds on the largest GPU load of any placement: how far a placement is from optimal.
 
-Legend: L MoE layers, E logical experts, S physical slots, G expert groups, N nodes, R GPUs,
+Legend (kernels/__init__.py): L MoE layers, E logical experts, S physical slots, G expert groups,
+ND nodes, R GPUs,
 k = S / R slots per GPU, X independent rows, n items of a row.
 
 A placement gives every expert c_e >= 1 of the S slots (sum c_e = S), each replica carries
@@ -62,7 +63,7 @@ def lower_bound(
     found = group_partitions(num_groups, groups_per_node)
     if found is not None:  # every partition of the groups into nodes: the best one's worst node
         blocks, partitions = found
-        rows = block_weights(weight, num_groups, blocks)  # [L, B, E / N]
+        rows = block_weights(weight, num_groups, blocks)  # [L, B, E / ND]
         # a real placement of each block's node bounds its bound from above; no partition needs
         # more than the best partition of those
         quick = quick_max(rows, *node_args)  # [L, B]

@@ -1,7 +1,8 @@
 """Which expert groups share a node (hierarchical placements).
 
-Legend: L MoE layers, E logical experts, S physical slots, G expert groups, N nodes, R GPUs,
-B blocks (sets of G / N groups that may share a node), P partitions of the groups into N blocks.
+Legend (kernels/__init__.py): L MoE layers, E logical experts, S physical slots, G expert groups,
+ND nodes, R GPUs, GB blocks (sets of G / ND groups that may share a node), NP partitions of the
+groups into ND blocks.
 
 A node's GPUs serve only its own groups, so the node with the hot experts bounds the layer: by its
 load, and by how thin its S / N slots can slice its hot experts. The greedy balances node loads
@@ -43,8 +44,8 @@ def pack_groups(
     else:
         blocks, partitions = found
         node_args = (num_phy // num_nodes, num_gpus // num_nodes)
-        score = quick_max(block_weights(weight, num_groups, blocks), *node_args)  # [L, B]
-        worst = score[:, partitions].max(dim=-1).values  # [L, P]
+        score = quick_max(block_weights(weight, num_groups, blocks), *node_args)  # [L, GB]
+        worst = score[:, partitions].max(dim=-1).values  # [L, NP]
         best, pick = worst.min(dim=1)  # [L]
         own = block_weights(weight, num_groups, greedy.view(num_layers, num_nodes, per_node))
         greedy_worst = quick_max(own, *node_args).max(dim=1).values  # [L]
@@ -56,7 +57,7 @@ def pack_groups(
 
 def group_partitions(num_groups: int, per_node: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Every split of the G groups into blocks of per_node (blocks unordered):
-    (blocks [B, G / N] int64, partitions [P, N] int64 indices into blocks), or None when there
+    (blocks [GB, G / ND] int64, partitions [NP, ND] int64 indices into blocks), or None when there
     are more than MAX_PARTITIONS."""
     count = math.prod(math.comb(n - 1, per_node - 1) for n in range(num_groups, 0, -per_node))
     if count > MAX_PARTITIONS:
@@ -78,8 +79,8 @@ def group_partitions(num_groups: int, per_node: int) -> tuple[torch.Tensor, torc
 
 
 def block_weights(weight: torch.Tensor, num_groups: int, blocks: torch.Tensor) -> torch.Tensor:
-    """weight [L, E], blocks [..., G / N] group ids -> [L, ..., E / N]: each block's expert
-    loads, or with blocks [L, N, G / N] (one partition per layer) -> [L, N, E / N]."""
+    """weight [L, E], blocks [..., G / ND] group ids -> [L, ..., E / ND]: each block's expert
+    loads, or with blocks [L, ND, G / ND] (one partition per layer) -> [L, ND, E / ND]."""
     num_layers = weight.shape[0]
     groups = weight.view(num_layers, num_groups, -1)  # [L, G, E / G]
     if blocks.dim() == 3 and blocks.shape[0] == num_layers:

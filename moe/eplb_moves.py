@@ -1,8 +1,8 @@
 """Rebalancing under a budget of moved slots: every slot whose expert changes costs a weight
 transfer, so from the placement the cluster has now, change few slots.
 
-Legend: L MoE layers, E logical experts, S physical slots, R GPUs (ranks), N nodes, k = S / R
-slots per GPU.
+Legend (kernels/__init__.py): L MoE layers, E logical experts, S physical slots, R GPUs (ranks),
+ND nodes, k = S / R slots per GPU.
 
 A slot "moves" when its logical expert changes. Relabeling GPUs (or whole nodes, in a
 hierarchical placement) and reordering a GPU's slots change no load, so a new placement is first
@@ -116,12 +116,12 @@ def align_placement(
     # shared[l, a, b]: slots of new GPU a whose expert is also on current GPU b
     shared = (new[:, :, None, :, None] == cur[:, None, :, None, :]).any(-1).sum(-1)  # [L, R, R]
     node_shared = shared.view(num_layers, num_nodes, per_node, num_nodes, per_node).sum((2, 4))
-    node_of = _greedy_match(node_shared)  # [L, N]: new node -> current node
+    node_of = _greedy_match(node_shared)  # [L, ND]: new node -> current node
     gpu_of = torch.empty(num_layers, num_gpus, dtype=torch.int64)  # new GPU -> current GPU
     local = torch.arange(per_node)
     for node in range(num_nodes):
         rows = node * per_node + local  # new GPUs of this node
-        cols = node_of[:, node, None] * per_node + local  # [L, R/N]: their current GPUs
+        cols = node_of[:, node, None] * per_node + local  # [L, R/ND]: their current GPUs
         sub = shared[:, rows].gather(2, cols[:, None, :].expand(-1, per_node, -1))
         gpu_of[:, rows] = cols.gather(1, _greedy_match(sub))
     moved = torch.empty_like(new)

@@ -2,7 +2,7 @@
 between ranks or by giving a slot to another expert (one replica less here, one more there).
 
 Legend: X independent rows (a layer, or a layer's node), n experts of a row, S slots (S % R == 0),
-R ranks, k = S / R slots per rank, C candidate edits of a row.
+R ranks, k = S / R slots per rank, CE candidate edits of a row.
 
 Slot s lives on rank s // k. An expert's load splits evenly over its replicas, so a rank's load is
 the sum over its slots of load[e] / count[e]. Every edit starts from the most loaded rank r*:
@@ -88,9 +88,9 @@ def local_search(
 class _Row:
     """The loads of a batch of rows, and the candidate edits from each row's most loaded rank.
 
-    An edit is (slot_x, new_x, slot_y, new_y) [a, C] each: slot_x takes expert new_x and slot_y
+    An edit is (slot_x, new_x, slot_y, new_y) [a, CE] each: slot_x takes expert new_x and slot_y
     takes new_y (a reassignment repeats slot_x in slot_y). Candidates come with their row's new
-    largest rank load, change of the sum of squared loads, and validity, each [a, C].
+    largest rank load, change of the sum of squared loads, and validity, each [a, CE].
     """
 
     def __init__(self, weight, slot2log, num_ranks, expert_node, rank_node):
@@ -160,36 +160,36 @@ class _Row:
         src_b = replicated.double().topk(m, dim=1).indices  # [a, m]
         src_b = src_b[:, :, None].expand(-1, -1, self.k)  # [a, m, k]
         dst_b = star_experts[:, None, :].expand(-1, m, -1)
-        src = torch.cat([src_a.reshape(a, -1), src_b.reshape(a, -1)], dim=1)  # [a, C]
-        dst = torch.cat([dst_a.reshape(a, -1), dst_b.reshape(a, -1)], dim=1)  # [a, C]
+        src = torch.cat([src_a.reshape(a, -1), src_b.reshape(a, -1)], dim=1)  # [a, CE]
+        dst = torch.cat([dst_a.reshape(a, -1), dst_b.reshape(a, -1)], dim=1)  # [a, CE]
         new_max, dsq, valid = self._reassign_effect(src, dst)
         return [src, dst, src, dst], new_max, dsq, valid
 
     def _reassign_effect(self, src: torch.Tensor, dst: torch.Tensor):
-        """Slot src [a, C] changes to expert dst [a, C]: new max, change of squares, validity."""
+        """Slot src [a, CE] changes to expert dst [a, CE]: new max, change of squares, validity."""
         a, num_slots = self.p2l.shape
         num_log, num_ranks = self.w.shape[1], self.num_ranks
-        old = self.p2l.gather(1, src)  # [a, C]
+        old = self.p2l.gather(1, src)  # [a, CE]
         c_old, w_old = self.cnt.gather(1, old), self.w.gather(1, old)
         c_new, w_new = self.cnt.gather(1, dst), self.w.gather(1, dst)
-        src_rank = self.slot_rank[src]  # [a, C]
+        src_rank = self.slot_rank[src]  # [a, CE]
         valid = (c_old >= 2) & (old != dst)
         valid &= self.expert_node.gather(1, dst) == self.rank_node.gather(1, src_rank)
         up_old = torch.where(valid, w_old / (c_old - 1).clamp(min=1), 0.0)  # each remaining replica
-        d_old = torch.where(valid, up_old - w_old / c_old, 0.0)  # [a, C]
+        d_old = torch.where(valid, up_old - w_old / c_old, 0.0)  # [a, CE]
         new_load = w_new / (c_new + 1)
-        d_new = new_load - w_new / c_new  # [a, C]
+        d_new = new_load - w_new / c_new  # [a, CE]
         on_rank = torch.zeros(a, num_log * num_ranks, dtype=self.w.dtype)
         on_rank.scatter_add_(
             1, self.p2l * num_ranks + self.slot_rank, torch.ones_like(self.per_slot)
         )
         on_rank = on_rank.view(a, num_log, num_ranks)  # [a, n, R]: replicas of e on rank r
-        idx = lambda e: e[:, :, None].expand(-1, -1, num_ranks)  # noqa: E731
+        idx = lambda e: e[:, :, None].expand(-1, -1, num_ranks)
         load = (
             self.load[:, None, :]
             + on_rank.gather(1, idx(old)) * d_old[:, :, None]
             + on_rank.gather(1, idx(dst)) * d_new[:, :, None]
-        )  # [a, C, R]
+        )  # [a, CE, R]
         load.scatter_add_(2, src_rank[:, :, None], (new_load - up_old)[:, :, None])
         new_max = load.max(dim=-1).values
         dsq = (load**2).sum(dim=-1) - (self.load**2).sum(dim=-1)[:, None]
@@ -203,7 +203,7 @@ class _Row:
         edits, new_max, dsq, valid = candidates
         per_move = torch.ones_like(new_max)
         if reference is not None:
-            delta = _moves_delta(self.p2l, reference, edits)  # [a, C]
+            delta = _moves_delta(self.p2l, reference, edits)  # [a, CE]
             valid = valid & (delta <= left[:, None])
             per_move = delta.clamp(min=1).to(new_max.dtype)
         lmax = self.lmax[:, None]
@@ -242,7 +242,7 @@ def _targets(
 
 
 def _moves_delta(slot2log, reference, edits):
-    """How many more slots differ from the reference after each edit [a, C]."""
+    """How many more slots differ from the reference after each edit [a, CE]."""
     slot_x, new_x, slot_y, new_y = edits
     ref_x, ref_y = reference.gather(1, slot_x), reference.gather(1, slot_y)
     cur_x, cur_y = slot2log.gather(1, slot_x), slot2log.gather(1, slot_y)
@@ -285,11 +285,11 @@ def count_search(
         load = _rank_loads(w, p2l, counts, num_ranks)  # [a, R]
         current, star = load.max(dim=1)  # [a]
         cand = _count_candidates(w, p2l, counts, star, num_ranks, num_targets, num_sources)
-        cand_counts, valid = cand  # [a, C, n], [a, C]
+        cand_counts, valid = cand  # [a, CE, n], [a, CE]
         num_cand = valid.shape[1]
         packed, best = pack_rounds(
             w.repeat_interleave(num_cand, dim=0), cand_counts.flatten(0, 1), num_ranks
-        )  # [a * C, S], [a * C]
+        )  # [a * CE, S], [a * CE]
         best = torch.where(valid, best.view(-1, num_cand), torch.inf)
         value, pick = best.min(dim=1)  # [a]
         ok = value < current * (1 - _REL_TOL)
@@ -306,7 +306,7 @@ def _rank_loads(w, p2l, counts, num_ranks):
 
 
 def _count_candidates(w, p2l, counts, star, num_ranks, num_targets, num_sources):
-    """Counts after moving one replica a -> b: ([a, C, n] int64, valid [a, C])."""
+    """Counts after moving one replica a -> b: ([a, CE, n] int64, valid [a, CE])."""
     num_rows, num_log = w.shape
     k = p2l.shape[1] // num_ranks
     c = counts.double()
@@ -316,11 +316,11 @@ def _count_candidates(w, p2l, counts, star, num_ranks, num_targets, num_sources)
     src_ok = src.values < torch.inf
     on_star = p2l.gather(1, star[:, None] * k + torch.arange(k))  # [a, k]
     dst = _targets(w, counts, on_star, torch.ones_like(counts, dtype=torch.bool), num_targets)
-    a_idx = src.indices[:, :, None].expand(-1, -1, dst.shape[1]).flatten(1)  # [a, C]
-    b_idx = dst[:, None, :].expand(-1, num_src, -1).flatten(1)  # [a, C]
+    a_idx = src.indices[:, :, None].expand(-1, -1, dst.shape[1]).flatten(1)  # [a, CE]
+    b_idx = dst[:, None, :].expand(-1, num_src, -1).flatten(1)  # [a, CE]
     valid = src_ok[:, :, None].expand(-1, -1, dst.shape[1]).flatten(1) & (a_idx != b_idx)
     rows = torch.arange(num_rows)[:, None]
-    cand = counts[:, None, :].repeat(1, a_idx.shape[1], 1)  # [a, C, n]
+    cand = counts[:, None, :].repeat(1, a_idx.shape[1], 1)  # [a, CE, n]
     cols = torch.arange(a_idx.shape[1])[None, :]
     cand[rows, cols, a_idx] -= valid.long()
     cand[rows, cols, b_idx] += valid.long()
