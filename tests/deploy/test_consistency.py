@@ -16,13 +16,12 @@ from tests.deploy.conftest import REPO, ports
 PENDING = {
     "metrics_port",
     "rank_metrics_port",
-    "drain_timeout_s",
     "auth_token_file",
     "tls_cert_file",
     "tls_key_file",
     "tls_client_ca_file",
 }
-PENDING_POOL = {"resources"}
+PENDING_POOL: set[str] = set()
 RAY_PORTS = {6379, 8265, 10001, 8080, 52365}
 MAX_RANKS_PER_NODE = 16
 
