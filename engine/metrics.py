@@ -1,0 +1,389 @@
+"""Every Prometheus metric epcluster exports, in one catalog: name, type, help, labels, buckets
+and which process exports it. The router (router/metrics.py) and the ranks (engine/rank_metrics.py)
+build their collectors from it, and the dashboards and alert rules (deploy/monitoring/) are
+checked against it: a panel or rule may only query what is defined here.
+
+Conventions (../shared/OPERATIONS.md): the `epcluster_` prefix, base units in the name, counters
+end in `_total` (prometheus-client adds it: a Spec of kind counter is named with it), no colons.
+Request histograms keep vLLM v1's meanings and buckets, so existing PromQL ports by a rename.
+Every series carries `model_name`; rank series also `pool` (prefill | decode) and `rank`; router
+series `pool="router"`. Labels that name a pool the router watches are `target_pool`.
+"""
+
+from dataclasses import dataclass
+
+# vLLM v1 (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# ours
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 32, 2))  # 1 KiB .. 1 GiB
+
+ROUTER, RANK = "router", "rank"
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    name: str  # as scraped; counters end in _total
+    kind: str  # counter | gauge | histogram
+    help: str
+    labels: tuple[str, ...] = ()  # beyond model_name (and pool, rank on ranks)
+    buckets: tuple[float, ...] | None = None
+    where: str = RANK  # which process exports it: router or rank
+
+    @property
+    def series_names(self) -> tuple[str, ...]:
+        """Names as they appear in a scrape (what PromQL can select)."""
+        if self.kind == "histogram":
+            return tuple(f"{self.name}_{s}" for s in ("bucket", "sum", "count"))
+        return (self.name,)
+
+
+SPECS: tuple[Spec, ...] = (
+    # ---- the router: requests as users see them ----
+    Spec(
+        "epcluster_requests_total",
+        "counter",
+        "Requests that ended, by finish reason and gRPC status code.",
+        ("finished_reason", "code"),
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_time_to_first_token_seconds",
+        "histogram",
+        "Time from a request's arrival to its first token.",
+        (),
+        TTFT_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_inter_token_latency_seconds",
+        "histogram",
+        "Time between two consecutive tokens of a stream.",
+        (),
+        ITL_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_request_time_per_output_token_seconds",
+        "histogram",
+        "A finished request's decode time divided by its output tokens after the first.",
+        (),
+        ITL_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_e2e_request_latency_seconds",
+        "histogram",
+        "Time from a request's arrival to its end.",
+        (),
+        REQUEST_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_request_queue_time_seconds",
+        "histogram",
+        "Time from arrival until the prefill rank was asked (admission, readiness, KV room).",
+        (),
+        REQUEST_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_request_prefill_time_seconds",
+        "histogram",
+        "Time from asking the prefill rank to the first token.",
+        (),
+        REQUEST_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_request_decode_time_seconds",
+        "histogram",
+        "Time from the first token to the last.",
+        (),
+        REQUEST_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of admitted requests.",
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_generation_tokens_total",
+        "counter",
+        "Tokens generated and streamed.",
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_prompt_tokens_cached_total",
+        "counter",
+        "Prompt tokens served from a prefill rank's prefix cache.",
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_router_requests_running",
+        "gauge",
+        "Requests streaming tokens (past their first token).",
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_router_requests_waiting",
+        "gauge",
+        "Admitted requests that have no token yet.",
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_admission_rejections_total",
+        "counter",
+        "Requests refused before they started, by reason.",
+        ("reason",),
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_request_resumes_total",
+        "counter",
+        "Requests resumed on a re-formed pool after a rank failure.",
+        ("target_pool",),
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_pool_ready",
+        "gauge",
+        "1 while a pool can take work, 0 while it re-forms.",
+        ("target_pool",),
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_pool_reforms_total",
+        "counter",
+        "Times a pool was re-formed after one of its ranks died or hung.",
+        ("target_pool",),
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_pool_recovery_seconds",
+        "histogram",
+        "Time from a rank failure to its pool being ready again.",
+        ("target_pool",),
+        REQUEST_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_kv_reservation_wait_seconds",
+        "histogram",
+        "Time a request waited for KV room on a decode rank.",
+        (),
+        ITL_BUCKETS,
+        ROUTER,
+    ),
+    Spec(
+        "epcluster_kv_transfer_fallbacks_total",
+        "counter",
+        "Requests resumed through the object store after a p2p KV transfer failed.",
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_kv_group_rebuilds_total",
+        "counter",
+        "Times every rank joined a rebuilt p2p KV transport group.",
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_build_info",
+        "gauge",
+        "1, labelled with the version and commit.",
+        ("version", "commit"),
+        where=ROUTER,
+    ),
+    Spec(
+        "epcluster_config_info",
+        "gauge",
+        "1, labelled with the cluster's shape.",
+        (
+            "prefill_ranks",
+            "decode_ranks",
+            "block_size",
+            "kv_transport",
+            "two_batch_overlap",
+            "dtype",
+        ),
+        where=ROUTER,
+    ),  # fmt: skip
+    # ---- every rank: its engine ----
+    Spec("epcluster_requests_running", "gauge", "Requests in the rank's running batch."),
+    Spec(
+        "epcluster_requests_waiting",
+        "gauge",
+        "Requests waiting on the rank: for room in the batch (capacity) or, on a decode rank, "
+        "holding a KV reservation while their KV is on the way (kv_reservation).",
+        ("reason",),
+    ),
+    Spec("epcluster_kv_cache_usage_ratio", "gauge", "Share of the KV cache blocks in use."),
+    Spec(
+        "epcluster_kv_cache_blocks",
+        "gauge",
+        "KV cache blocks by state: used (referenced), free, cached (reusable prefix), and "
+        "reserved (held for KV on its way; part of used).",
+        ("state",),
+    ),
+    Spec(
+        "epcluster_prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    Spec(
+        "epcluster_prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache."
+    ),
+    Spec("epcluster_preemptions_total", "counter", "Requests preempted (recomputed later)."),
+    Spec("epcluster_engine_steps_total", "counter", "Engine steps (a heartbeat)."),
+    Spec(
+        "epcluster_engine_stalled_seconds",
+        "gauge",
+        "Seconds the engine thread has had work and made no progress (0 while it turns).",
+    ),
+    Spec(
+        "epcluster_step_duration_seconds",
+        "histogram",
+        "Duration of an engine step with work.",
+        (),
+        STEP_BUCKETS,
+    ),
+    Spec(
+        "epcluster_step_tokens", "histogram", "Tokens an engine step computed.", (), COUNT_BUCKETS
+    ),
+    Spec(
+        "epcluster_step_batch_size", "histogram", "Requests in an engine step.", (), COUNT_BUCKETS
+    ),
+    # ---- expert parallelism ----
+    Spec(
+        "epcluster_alltoall_duration_seconds",
+        "histogram",
+        "Per step, summed over MoE layers: from sending the rows (dispatch) or the expert "
+        "outputs (combine) to having them back, overlapped work included.",
+        ("phase",),
+        STEP_BUCKETS,
+    ),
+    Spec(
+        "epcluster_alltoall_exposed_seconds_total",
+        "counter",
+        "Time the rank's step waited on all-to-alls (communication not hidden by overlap).",
+        ("phase",),
+    ),
+    Spec(
+        "epcluster_alltoall_bytes_total",
+        "counter",
+        "Bytes this rank sent by all-to-all.",
+        ("phase",),
+    ),
+    Spec(
+        "epcluster_tbo_steps_total",
+        "counter",
+        "EP steps, by whether they ran as two overlapped micro-batches.",
+        ("overlapped",),
+    ),
+    Spec(
+        "epcluster_routed_tokens_total",
+        "counter",
+        "Token-expert rows this rank's routed experts computed.",
+    ),
+    # ---- KV transfer, prefill -> decode ----
+    Spec(
+        "epcluster_kv_transfer_duration_seconds",
+        "histogram",
+        "A prompt's KV transfer: export and send on the prefill rank, receive and import on "
+        "the decode rank.",
+        ("side",),
+        STEP_BUCKETS,
+    ),
+    Spec(
+        "epcluster_kv_transfer_size_bytes",
+        "histogram",
+        "Size of a prompt's KV payload.",
+        (),
+        BYTES_BUCKETS,
+    ),
+    Spec("epcluster_kv_transfer_bytes_total", "counter", "KV bytes sent or received.", ("side",)),
+    Spec(
+        "epcluster_kv_transfer_failures_total",
+        "counter",
+        "KV transfers that failed, by stage.",
+        ("stage",),
+    ),
+    Spec(
+        "epcluster_kv_reservations_total",
+        "counter",
+        "Decode KV reservations by outcome: granted, rejected (no room), expired (lease ran "
+        "out), released (aborted), started (the KV arrived).",
+        ("outcome",),
+    ),
+    # ---- expert load balancing ----
+    Spec(
+        "epcluster_eplb_balancedness_ratio",
+        "gauge",
+        "Mean rank load / max rank load of the pool's MoE layers over the load window: the "
+        "mean over layers, and the worst layer.",
+        ("stat",),
+    ),
+    Spec(
+        "epcluster_eplb_rebalances_total",
+        "counter",
+        "Expert re-placements, by outcome (applied, skipped).",
+        ("outcome",),
+    ),
+    Spec(
+        "epcluster_eplb_rebalance_duration_seconds",
+        "histogram",
+        "Time a re-placement took, from the decision to the switch.",
+        (),
+        STEP_BUCKETS,
+    ),
+    Spec(
+        "epcluster_eplb_weight_bytes_moved_total",
+        "counter",
+        "Expert weight bytes this rank received for re-placements.",
+    ),
+)
+
+# Enumerable labels, pre-created at 0 so that alerts never see a missing series; by label name,
+# with per-metric overrides where a name means something else.
+LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "finished_reason": FINISHED_REASONS,
+    "target_pool": POOLS,
+    "reason": ("capacity", "kv_reservation"),
+    "state": ("used", "free", "cached", "reserved"),
+    "phase": ("dispatch", "combine"),
+    "overlapped": ("yes", "no"),
+    "side": ("send", "receive"),
+    "stage": ("send", "receive", "import"),
+    "outcome": ("granted", "rejected", "expired", "released", "started"),
+    "stat": ("mean", "worst"),
+}
+_OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("epcluster_admission_rejections_total", "reason"): ("requests", "tokens", "draining"),
+    ("epcluster_eplb_rebalances_total", "outcome"): ("applied", "skipped"),
+}
+
+
+def label_values(spec: Spec, label: str) -> tuple[str, ...] | None:
+    """The values `label` of `spec` takes, or None when they are open (a status code, a
+    version)."""
+    return _OVERRIDES.get((spec.name, label), LABEL_VALUES.get(label))
+
+
+def specs(where: str) -> tuple[Spec, ...]:
+    return tuple(s for s in SPECS if s.where == where)
+
+
+def series_names() -> set[str]:
+    """Every metric name a scrape of any epcluster process can show."""
+    return {name for spec in SPECS for name in spec.series_names}
