@@ -143,6 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         kv_transport=args.kv_transport,
         drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port,
+        rank_metrics_port=args.rank_metrics_port,
     )
     if config.ray_address is None:
         # A local Ray stays on loopback; Ray reads this when it is first imported.
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--drain-timeout", type=float, help="seconds in-flight streams get on SIGTERM / Ctrl-C"
     )
+    serve.add_argument("--metrics-port", type=int, help="router /metrics and /sd/targets (0: any)")
+    serve.add_argument("--rank-metrics-port", type=int, help="first port of the ranks' /metrics")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a continuation (in-process or via --target)")

@@ -107,6 +107,8 @@ class ClusterConfig:
     enable_prefix_caching: bool = True
     host: str = "127.0.0.1"  # gRPC
     port: int = 50051
+    metrics_port: int | None = 9400  # the router's /metrics and /sd/targets (0: any; null: off)
+    rank_metrics_port: int | None = 9401  # a rank's /metrics: first port tried on its node
     ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join
     gpus_per_rank: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
     cpus_per_rank: float = 0.5  # CPU share of a rank's bundle
@@ -149,6 +151,16 @@ class ClusterConfig:
             + [
                 (self.block_size >= 1, "block_size", "must be >= 1"),
                 (0 <= self.port < 65536, "port", "must be in [0, 65536)"),
+                (
+                    self.metrics_port is None or 0 <= self.metrics_port < 65536,
+                    "metrics_port",
+                    "must be null or in [0, 65536)",
+                ),
+                (
+                    self.rank_metrics_port is None or 0 <= self.rank_metrics_port < 65520,
+                    "rank_metrics_port",
+                    "must be null or in [0, 65520) (ranks on a node take up to 16 ports)",
+                ),
                 (self.torch_threads >= 1, "torch_threads", "must be >= 1"),
                 (self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1"),
                 (self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1"),

@@ -10,15 +10,18 @@ import time
 import uuid
 
 import ray
+from ray._private import ray_constants
 
 from cluster.config import ClusterConfig
 from cluster.pool import Pool
+from engine.metrics_server import MetricsServer
 from engine.model_info import build_model_info
 from engine.tokenizer import load_tokenizer
 from moe.config import ModelConfig
 from moe.loader import resolve_model_path
 from router.admission import AdmissionConfig
 from router.cluster_backend import ClusterBackend, RoutingConfig
+from router.metrics import RouterMetrics
 from router.pools import HealthConfig
 from router.server import RouterServer, serve
 
@@ -31,6 +34,8 @@ class Cluster:
         self.pools: dict[str, Pool] = {}
         self.server: RouterServer | None = None
         self.backend: ClusterBackend | None = None
+        self.metrics: RouterMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
         self.cluster_id = uuid.uuid4().hex[:12]  # names this cluster's rendezvous files
         self._owns_ray = False
 
@@ -48,6 +53,15 @@ class Cluster:
             self.config = c = self.config.resolve_gpus(ray.cluster_resources().get("GPU", 0))
             path = resolve_model_path(c.model)  # presets are written before the ranks race
             mc = ModelConfig.from_file(path)
+            self.metrics = RouterMetrics(c.model)
+            self.metrics.set_config(
+                prefill_ranks=c.prefill.num_ranks,
+                decode_ranks=c.decode.num_ranks,
+                block_size=c.block_size,
+                kv_transport=c.kv_transport,
+                two_batch_overlap=f"{c.prefill.two_batch_overlap}/{c.decode.two_batch_overlap}",
+                dtype=c.dtype,
+            )
             self.pools = {name: Pool(name, c, self.cluster_id) for name in ("prefill", "decode")}
             self.backend = ClusterBackend(
                 self.pools["prefill"].handles(),
@@ -66,13 +80,16 @@ class Cluster:
                 ),
                 HealthConfig(stall_timeout_s=c.rank_stall_timeout_s),
                 control=self,
+                metrics=self.metrics,
             )
+            self._serve_metrics()
             self.server = serve(
                 self.backend,
                 c.host,
                 c.port,
                 admission=AdmissionConfig(c.max_queued_requests, c.max_queued_tokens),
                 ready_wait_s=c.recovery_wait_s,
+                metrics=self.metrics,
             )
             self.server.call(asyncio.wait_for(self._start_pools(), c.start_timeout_s))
             if not self.server.wait_ready(30):
@@ -82,6 +99,26 @@ class Cluster:
         except BaseException:
             self.shutdown()
             raise
+
+    def _serve_metrics(self) -> None:
+        """The router's /metrics, and /sd/targets: Prometheus HTTP service discovery of every
+        process (this router and each rank), so one scrape config finds them all."""
+        c, backend = self.config, self.backend
+        if c.metrics_port is None:
+            return
+        for pool in ("prefill", "decode"):
+            self.metrics.child("epcluster_pool_ready", pool).set_function(
+                lambda pool=pool: backend.pool_ready(pool)
+            )
+        self.metrics_server = MetricsServer(self.metrics.registry, c.host, c.metrics_port)
+        router = {"pool": "router", "model_name": c.model}
+        self.metrics_server.routes["/sd/targets"] = lambda: [
+            {"targets": [self.metrics_server.endpoint], "labels": router},
+            *backend.sd_targets(),
+        ]
+        log.info(
+            "metrics on http://%s/metrics (discovery: /sd/targets)", self.metrics_server.endpoint
+        )
 
     async def _start_pools(self) -> None:
         kv_master = None
@@ -121,8 +158,12 @@ class Cluster:
         c = self.config
         if c.ray_address is None:
             # NOTE: a local Ray listens on every interface unless told otherwise; a development
-            # or test cluster stays on loopback.
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            # or test cluster stays on loopback. Ray reads this switch once, when it is
+            # imported: the variable reaches the processes ray.init starts, and the constant
+            # covers this process (ray.init turns "127.0.0.1" into the outside address
+            # otherwise).
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+            ray_constants.ENABLE_RAY_CLUSTER = False
             ranks = c.prefill.num_ranks + c.decode.num_ranks
             ray.init(
                 num_cpus=max(os.cpu_count() or 1, ranks * c.cpus_per_rank),
@@ -143,6 +184,9 @@ class Cluster:
             grace = self.config.drain_timeout_s if drain_s is None else drain_s
             self.server.stop(grace, then=self.backend.close() if self.backend else None)
             self.server = None
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         for pool in self.pools.values():
             pool.shutdown()
         self.pools = {}

@@ -82,6 +82,7 @@ class Pool:
                     kv_rank=self.kv_offset + r,
                     kv_world=kv_world,
                     kv_timeout_s=c.kv_transfer_timeout_s,
+                    metrics_port=c.rank_metrics_port,
                 )
             )
             for r in range(self.num_ranks)
@@ -111,8 +112,11 @@ class Pool:
         readiness (every rank calls init at once: the group forms when all have joined)."""
         await self.placement_group.ready()
         rdzv = await self.rendezvous(f"{self.name}-g{self.generation}")
+        nodes = await asyncio.gather(*(a.__ray_call__.remote(_node_address) for a in self.actors))
         started = time.monotonic()
-        statuses = await asyncio.gather(*(a.join.remote(rdzv, kv_rdzv) for a in self.actors))
+        statuses = await asyncio.gather(
+            *(a.join.remote(rdzv, kv_rdzv, node) for a, node in zip(self.actors, nodes))
+        )
         for s in statuses:
             log.info(
                 "%s rank %d ready (%d KV blocks) after %.1f s",
@@ -140,6 +144,14 @@ class Pool:
         remove_placement_group(self.placement_group)
 
 
-def _node_address_and_port(_self) -> tuple[str, int]:
+def _node_address(_self) -> str:
+    """Runs inside a rank's actor: the address its node joined Ray with (where its /metrics
+    and a rendezvous store listen). NOTE: not ray.util.get_node_ip_address(), which in a worker
+    may answer the machine's outside address for a Ray that runs on loopback."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def _node_address_and_port(self) -> tuple[str, int]:
     """Runs inside rank 0's actor: where the pool's torch.distributed store listens."""
-    return ray.util.get_node_ip_address(), _free_port()
+    return _node_address(self), _free_port()

@@ -60,14 +60,22 @@ class DecodeWorker(Rank):
         reservation) when the KV cannot be received or imported."""
         rid = request.request_id
         self._owner[rid] = router_id
+        stats, started, stage = self.engine.stats, time.perf_counter(), "receive"
         try:
             loop = asyncio.get_running_loop()
             kv = await loop.run_in_executor(self._kv_threads, self.transport.receive, kv_handle)
+            stage = "import"
             await self.call(lambda e: e.start_prefilled(request, first, kv))
-        except BaseException:
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):
+                stats.inc("epcluster_kv_transfer_failures_total", 1, stage)
             self._owner.pop(rid, None)
             await asyncio.shield(self.abort(rid))
             raise
+        stats.observe(
+            "epcluster_kv_transfer_duration_seconds", time.perf_counter() - started, "receive"
+        )
+        stats.inc("epcluster_kv_transfer_bytes_total", kv.nbytes, "receive")
 
     async def discard_kv(self, kv_handle: Any) -> None:
         """The request ended between its prefill and its start here: take the KV off the

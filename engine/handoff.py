@@ -15,8 +15,11 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import update_text
 from engine.kv_transfer import KVTransferError, import_kv
 from engine.messages import GenerateRequest, KVPayload, RequestOutput
+from engine.rank_metrics import RankStats
 from engine.request import Request
 from engine.tokenizer import Tokenizer
+
+RESERVATIONS = "epcluster_kv_reservations_total"
 
 
 @dataclass(slots=True)
@@ -30,10 +33,18 @@ class Reservation:
 class Reservations:
     """The reservation book of one decode rank's engine (not thread-safe: the engine thread)."""
 
-    def __init__(self, block_manager: BlockManager, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(
+        self, block_manager: BlockManager, kv_caches: list[torch.Tensor], stats: RankStats
+    ) -> None:
         self.block_manager = block_manager
         self.kv_caches = kv_caches
+        self.stats = stats
         self._book: dict[str, Reservation] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held by reservations (KV on its way)."""
+        return sum(len(r.block_table) for r in self._book.values())
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._book
@@ -49,9 +60,11 @@ class Reservations:
         assert request_id not in self._book, request_id
         allocation = self.block_manager.allocate(prompt_token_ids)
         if allocation is None:
+            self.stats.inc(RESERVATIONS, 1, "rejected")
             return False
         block_table, num_cached = allocation
         self._book[request_id] = Reservation(request_id, block_table, num_cached, deadline)
+        self.stats.inc(RESERVATIONS, 1, "granted")
         return True
 
     def release(self, request_id: str) -> bool:
@@ -59,6 +72,7 @@ class Reservations:
         held = self._book.pop(request_id, None)
         if held is not None:
             self.block_manager.free(held.block_table)
+            self.stats.inc(RESERVATIONS, 1, "released")
         return held is not None
 
     def renew(self, request_ids: list[str], deadline: float) -> int:
@@ -73,7 +87,8 @@ class Reservations:
         """Release the reservations whose deadline has passed; -> their ids."""
         expired = [rid for rid, r in self._book.items() if r.deadline < now]
         for rid in expired:
-            self.release(rid)
+            self.block_manager.free(self._book.pop(rid).block_table)
+            self.stats.inc(RESERVATIONS, 1, "expired")
         return expired
 
     def start(
@@ -92,6 +107,7 @@ class Reservations:
         held = self._book.pop(rid, None)
         if held is None:
             raise KVTransferError(f"request {rid!r} holds no reservation (expired?)")
+        self.stats.inc(RESERVATIONS, 1, "started")
         try:
             if kv.num_tokens != len(known):
                 raise KVTransferError(

@@ -5,6 +5,7 @@ prefill-only requests it handed off (with their KV)."""
 import itertools
 import logging
 import random
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from engine.messages import (
 )
 from engine.model_info import PromptLimits, check_prompt
 from engine.model_runner import ModelRunner
+from engine.rank_metrics import RankStats
 from engine.request import Request
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
@@ -65,7 +67,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}
-        self.reservations = Reservations(self.block_manager, self.runner.kv_caches)  # decode
+        self.stats = RankStats()  # the rank's metrics, counted on this thread
+        self.comm = self.model.share_comm_stats()
+        self._last_comm = (0.0, 0.0)
+        self.num_steps = 0
+        self.reservations = Reservations(  # decode
+            self.block_manager, self.runner.kv_caches, self.stats
+        )
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode), lifetime
@@ -183,12 +191,16 @@ class LLMEngine:
     # ---- the loop ----
 
     def step(self) -> StepResult:
+        started = time.perf_counter()
+        self.num_steps += 1
         batch = self.scheduler.schedule()
         self.last_step_tokens = sum(batch.num_new_tokens)
         if self.ep_size == 1:
             if batch.is_empty:
                 return StepResult()
-            return self.postprocess(batch, self.runner.run(batch.requests, batch.num_new_tokens))
+            result = self.postprocess(batch, self.runner.run(batch.requests, batch.num_new_tokens))
+            self._record_step(started, batch, None)
+            return result
         num_tokens = sum(batch.num_new_tokens)
         # NOTE: every rank of the pool reaches this all-reduce once per step, work or not.
         flags = torch.tensor([num_tokens, self.scheduler.num_unfinished], device=self.config.device)
@@ -201,7 +213,31 @@ class LLMEngine:
         mode = self.config.two_batch_overlap
         split = mode == "on" or (mode == "auto" and max_tokens >= self.config.tbo_min_tokens)
         sampled = self.runner.run(batch.requests, batch.num_new_tokens, split)
-        return self.postprocess(batch, sampled) if batch.requests else StepResult()
+        result = self.postprocess(batch, sampled) if batch.requests else StepResult()
+        self._record_step(started, batch, split)
+        return result
+
+    def _record_step(self, started: float, batch: ScheduledBatch, split: bool | None) -> None:
+        """Counters for the rank's metrics (plain adds on this thread; read at scrape)."""
+        s, comm, last = self.stats, self.comm, self._last_comm
+        s.observe("epcluster_step_duration_seconds", time.perf_counter() - started)
+        s.observe("epcluster_step_tokens", sum(batch.num_new_tokens))
+        s.observe("epcluster_step_batch_size", len(batch.requests))
+        s.set("epcluster_engine_steps_total", self.num_steps)
+        s.set("epcluster_preemptions_total", self.scheduler.num_preemptions)
+        s.set("epcluster_prefix_cache_queries_total", self.scheduler.num_prefix_queried)
+        s.set("epcluster_prefix_cache_hits_total", self.scheduler.num_prefix_hits)
+        s.set("epcluster_routed_tokens_total", comm.rows)
+        if split is None:  # no expert parallelism: no all-to-all
+            return
+        s.inc("epcluster_tbo_steps_total", 1, "yes" if split else "no")
+        s.observe("epcluster_alltoall_duration_seconds", comm.dispatch_s - last[0], "dispatch")
+        s.observe("epcluster_alltoall_duration_seconds", comm.combine_s - last[1], "combine")
+        self._last_comm = (comm.dispatch_s, comm.combine_s)
+        s.set("epcluster_alltoall_exposed_seconds_total", comm.dispatch_wait_s, "dispatch")
+        s.set("epcluster_alltoall_exposed_seconds_total", comm.combine_wait_s, "combine")
+        s.set("epcluster_alltoall_bytes_total", comm.dispatch_bytes, "dispatch")
+        s.set("epcluster_alltoall_bytes_total", comm.combine_bytes, "combine")
 
     def postprocess(self, batch: ScheduledBatch, sampled: SampleOutput | None) -> StepResult:
         result = StepResult()

@@ -160,6 +160,7 @@ class RankStatus:
     num_steps: int = 0  # engine steps taken (a heartbeat)
     stalled_s: float = 0.0  # seconds with work and no progress on the engine thread (hung?)
     num_pending: int = 0  # calls the rank's server side is waiting on (prefills, owners)
+    metrics_endpoint: str = ""  # host:port of the rank's Prometheus /metrics
 
     @property
     def kv_usage(self) -> float:

@@ -91,7 +91,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         "epcluster_request_queue_time_seconds",
         "histogram",
-        "Time from arrival until the prefill rank was asked (admission, readiness, KV room).",
+        "Time from the pools taking the request until the prefill rank was asked "
+        "(waiting for a re-forming pool and for decode KV room).",
         (),
         REQUEST_BUCKETS,
         ROUTER,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
 from engine.ep import build_ep_engine
@@ -22,6 +23,8 @@ from engine.kv_transfer import KVTransport, ObjectStoreTransport
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.messages import RankStatus, StepResult
+from engine.metrics_server import MetricsServer, serve_metrics
+from engine.rank_metrics import RankCollector
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class RankConfig:
     kv_rank: int = 0  # this rank's index in the cluster-wide KV transport group (p2p)
     kv_world: int = 1
     kv_timeout_s: float = 30.0  # a p2p KV transfer (and its turn) before it counts as failed
+    metrics_port: int | None = 0  # the first port /metrics tries (0: any free; None: off)
 
     def __post_init__(self) -> None:
         if self.pool not in ("prefill", "decode"):
@@ -99,14 +103,18 @@ class Rank(abc.ABC):
         self.loop: EngineLoop | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
         self.transport: KVTransport | None = transport
+        self.metrics: MetricsServer | None = None
 
     # ---- start-up ----
 
-    async def join(self, rdzv: Rendezvous, kv_rdzv: Rendezvous | None = None) -> RankStatus:
+    async def join(
+        self, rdzv: Rendezvous, kv_rdzv: Rendezvous | None = None, node_addr: str = "127.0.0.1"
+    ) -> RankStatus:
         """Join the pool's process group (every rank of the pool calls this at once), load this
         rank's experts, and start stepping."""
         self._aio = asyncio.get_running_loop()
         await asyncio.to_thread(self._join, rdzv, kv_rdzv)
+        self._serve_metrics(node_addr)
         return self.status()
 
     def _join(self, rdzv: Rendezvous, kv_rdzv: Rendezvous | None) -> None:
@@ -152,6 +160,38 @@ class Rank(abc.ABC):
     def stop(self) -> None:
         if self.loop is not None:
             self.loop.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    # ---- metrics ----
+
+    def _serve_metrics(self, host: str) -> None:
+        """/metrics on `host` (the rank's node address), from config.metrics_port on: ranks
+        that share a node take consecutive ports."""
+        c = self.config
+        if c.metrics_port is None:
+            return
+        registry = CollectorRegistry()
+        collector = RankCollector(self.engine.stats, self._gauges, c.engine.model, c.pool, c.rank)
+        registry.register(collector)
+        ports = [0] if c.metrics_port == 0 else list(range(c.metrics_port, c.metrics_port + 16))
+        self.metrics = serve_metrics(registry, host, ports)
+
+    def _gauges(self) -> dict[tuple[str, tuple[str, ...]], float]:
+        """The rank's live state, read at scrape time (from the scraping thread)."""
+        e, loop = self.engine, self.loop
+        bm = e.block_manager
+        return {
+            ("epcluster_requests_running", ()): len(e.scheduler.running),
+            ("epcluster_requests_waiting", ("capacity",)): len(e.scheduler.waiting),
+            ("epcluster_requests_waiting", ("kv_reservation",)): len(e.reservations),
+            ("epcluster_kv_cache_usage_ratio", ()): bm.usage,
+            ("epcluster_kv_cache_blocks", ("used",)): bm.num_used_blocks,
+            ("epcluster_kv_cache_blocks", ("free",)): len(bm.free_ids),
+            ("epcluster_kv_cache_blocks", ("cached",)): bm.num_cached_blocks,
+            ("epcluster_kv_cache_blocks", ("reserved",)): e.reservations.num_blocks,
+            ("epcluster_engine_stalled_seconds", ()): loop.stalled_s() if loop else 0.0,
+        }
 
     # ---- calls from the asyncio side ----
 
@@ -175,6 +215,7 @@ class Rank(abc.ABC):
         status.num_steps = self.loop.num_steps
         status.stalled_s = self.loop.stalled_s()
         status.num_pending = self.num_pending
+        status.metrics_endpoint = self.metrics.endpoint if self.metrics else ""
         return status
 
     @property

@@ -33,6 +33,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefix_queried = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of them, found there
 
     @property
     def num_unfinished(self) -> int:
@@ -72,6 +74,8 @@ class Scheduler:
             req.num_computed_tokens = cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
+                self.num_prefix_queried += len(req.prompt_token_ids)
+                self.num_prefix_hits += cached
             req.status = Status.RUNNING
             n = min(req.num_tokens - cached, budget)
             self.running.append(req)

@@ -18,6 +18,7 @@ K rows by topk_weights and sums them, by the same arithmetic for both kinds (so 
 agree bit for bit on a token's sum).
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,20 @@ from moe.placement import Placement
 
 if TYPE_CHECKING:
     from moe.model import DeepseekForCausalLM
+
+
+@dataclass(slots=True)
+class CommStats:
+    """Running totals of one rank's dispatches and combines, over every MoE layer of a model
+    (host clocks only: no device sync). The engine reads them between steps."""
+
+    dispatch_s: float = 0.0  # from starting a dispatch to its rows being ready, summed
+    combine_s: float = 0.0  # likewise for combines (overlapped work included)
+    dispatch_wait_s: float = 0.0  # time blocked waiting for them (communication left exposed)
+    combine_wait_s: float = 0.0
+    dispatch_bytes: int = 0  # rows this rank sent (to itself included)
+    combine_bytes: int = 0
+    rows: int = 0  # token-expert rows this rank's experts computed
 
 
 @dataclass
@@ -56,6 +71,8 @@ class DispatchHandle:
     recv_perm: torch.Tensor | None = None  # [N]: recv_x[i] = arrival row recv_perm[i]
     recv_buf: torch.Tensor | None = None  # [N, D] rows in arrival order: by source, then slot
     work: dist.Work | None = None
+    stats: CommStats | None = None
+    started: float = 0.0  # time.perf_counter() at dispatch
 
     @property
     def bytes_sent(self) -> int:
@@ -87,10 +104,16 @@ class DispatchHandle:
 
     def wait(self) -> "DispatchHandle":
         if self.recv_x is None:
+            blocked = time.perf_counter()
             self.launch_rows(async_op=False)
             if self.work is not None:
                 self.work.wait()
             self.recv_x = self.recv_buf[self.recv_perm]  # [N, D]
+            if self.stats is not None:
+                done = time.perf_counter()
+                self.stats.dispatch_wait_s += done - blocked
+                self.stats.dispatch_s += done - self.started
+                self.stats.rows += self.recv_x.shape[0]
         return self
 
 
@@ -99,11 +122,18 @@ class CombineHandle:
     dispatch: DispatchHandle
     rows: torch.Tensor  # [T * K, D] expert outputs, in dispatch's send order
     work: dist.Work | None = None
+    started: float = 0.0  # time.perf_counter() at combine
 
     def wait(self) -> "CombineHandle":
         if self.work is not None:
+            blocked = time.perf_counter()
             self.work.wait()
             self.work = None
+            stats = self.dispatch.stats
+            if stats is not None:
+                done = time.perf_counter()
+                stats.combine_wait_s += done - blocked
+                stats.combine_s += done - self.started
         return self
 
     def output(self) -> torch.Tensor:
@@ -129,6 +159,7 @@ class LocalDispatcher:
 
     def __init__(self, expert_ids: list[int], num_experts: int) -> None:
         self.expert_ids = list(expert_ids)
+        self.stats = CommStats()
         # NOTE: explicit cpu: factory calls under a meta-device context import torch._dynamo.
         log2slot = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")  # [E]
         for slot in reversed(range(len(self.expert_ids))):
@@ -158,6 +189,7 @@ class LocalDispatcher:
         send_order = torch.argsort(slots, stable=True)  # [T * K]
         rows = x[send_order // top_k]  # [T * K, D]
         counts = torch.bincount(slots, minlength=len(self.expert_ids)).tolist()  # [S_r]
+        self.stats.rows += rows.shape[0]
         return DispatchHandle(topk_weights, send_order, rows, recv_x=rows, recv_counts=counts)
 
     def combine(
@@ -195,6 +227,7 @@ class AllToAllDispatcher:
         self._device_placement = placement  # a copy on the device of the last batch
         self.layer_pos = layer_pos
         self.rank = rank
+        self.stats = CommStats()
 
     def dispatch(
         self,
@@ -219,6 +252,7 @@ class AllToAllDispatcher:
         # Slot ids are rank-major, so sorting by slot sorts by (destination rank, slot).
         send_order = torch.argsort(phy, stable=True)  # [T * K]
         send_counts = torch.bincount(phy, minlength=placement.num_slots)  # [S] = [R * S_r]
+        started = time.perf_counter()
         recv_counts = torch.empty_like(send_counts)  # [R * S_r]: from (source rank, my slot)
         counts_work = dist.all_to_all_single(
             recv_counts, send_counts, group=self.counts_group, async_op=async_op
@@ -232,7 +266,10 @@ class AllToAllDispatcher:
             send_counts=send_counts,
             recv_counts_buf=recv_counts,
             counts_work=counts_work if async_op else None,
+            stats=self.stats,
+            started=started,
         )
+        self.stats.dispatch_bytes += handle.bytes_sent
         return handle if async_op else handle.wait()
 
     def _placement_on(self, device: torch.device) -> Placement:
@@ -250,8 +287,10 @@ class AllToAllDispatcher:
         """
         assert handle.recv_x is not None, "wait() on the dispatch handle before combine"
         assert y.shape == handle.recv_x.shape, (y.shape, handle.recv_x.shape)
+        started = time.perf_counter()
         arrival = torch.empty_like(y)  # [N, D] back in arrival order
         arrival[handle.recv_perm] = y
+        self.stats.combine_bytes += arrival.numel() * arrival.element_size()
         rows = y.new_empty(len(handle.send_order), y.shape[1])  # [T * K, D]
         work = dist.all_to_all_single(
             rows,
@@ -261,7 +300,7 @@ class AllToAllDispatcher:
             group=self.group,
             async_op=async_op,
         )
-        return CombineHandle(handle, rows, work if async_op else None)
+        return CombineHandle(handle, rows, work if async_op else None, started)
 
 
 Dispatcher = LocalDispatcher | AllToAllDispatcher

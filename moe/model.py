@@ -17,6 +17,7 @@ from torch import nn
 from kernels.rotary import rope_cos_sin
 from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
+from moe.dispatch import CommStats
 from moe.layers import MLP, MoE, RMSNorm
 from moe.overlap import Stages, run_to_end
 from moe.rope import rope_inv_freq
@@ -98,6 +99,14 @@ class DeepseekForCausalLM(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def share_comm_stats(self) -> CommStats:
+        """One CommStats for every MoE layer's dispatcher (call after the dispatchers are
+        final: install_expert_parallel replaces them); -> it."""
+        stats = CommStats()
+        for moe in self.moe_layers():
+            moe.dispatcher.stats = stats
+        return stats
 
     def stages(
         self,

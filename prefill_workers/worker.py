@@ -4,6 +4,7 @@ and the prompt's latent KV), and its blocks go back to the prefix cache."""
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from engine.kv_transfer import KVTransferError, KVTransport
@@ -54,13 +55,23 @@ class PrefillWorker(Rank):
             raise
         finally:
             self._waiting.pop(rid, None)
-        if kv is None or request.kv_fallback:  # done here, or the KV goes as an object
+        if kv is None:  # done here
+            return first, None
+        stats, started = self.engine.stats, time.perf_counter()
+        stats.observe("epcluster_kv_transfer_size_bytes", kv.nbytes)
+        stats.inc("epcluster_kv_transfer_bytes_total", kv.nbytes, "send")
+        if request.kv_fallback:  # the KV goes as an object
             return first, kv
         try:
-            return first, self.transport.send(kv, kv_dst)
+            handle = self.transport.send(kv, kv_dst)
         except KVTransferError as e:  # the p2p link is down: the payload travels as an object
             log.warning("KV of %s goes through the object store: %s", rid, e)
+            stats.inc("epcluster_kv_transfer_failures_total", 1, "send")
             return first, kv
+        stats.observe(
+            "epcluster_kv_transfer_duration_seconds", time.perf_counter() - started, "send"
+        )
+        return first, handle
 
     async def abort(self, request_id: str) -> None:
         """End the request here however far it got; a prefill call waiting on it raises."""

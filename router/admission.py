@@ -20,6 +20,18 @@ class AdmissionConfig:
             raise ValueError(f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}")
 
 
+class Refusal(str):
+    """Why a request was refused (the message) and which cap refused it (kind: requests or
+    tokens)."""
+
+    kind: str
+
+    def __new__(cls, message: str, kind: str) -> "Refusal":
+        refusal = super().__new__(cls, message)
+        refusal.kind = kind
+        return refusal
+
+
 class Admission:
     """Counts admitted requests and their prompt tokens against AdmissionConfig's caps.
 
@@ -31,25 +43,28 @@ class Admission:
         self.num_requests = 0
         self.num_tokens = 0
 
-    def try_admit(self, num_tokens: int) -> str | None:
+    def try_admit(self, num_tokens: int) -> "Refusal | None":
         """Admit a request with num_tokens prompt tokens: None if admitted (counted until
-        `release`), else the reason it was refused."""
+        `release`), else why it was refused."""
         assert num_tokens >= 1, num_tokens
         cfg = self.config
         if num_tokens > cfg.max_queued_tokens:
-            return (
+            return Refusal(
                 f"prompt has {num_tokens} tokens, more than the router admits in total "
-                f"({cfg.max_queued_tokens} queued prompt tokens): shorten it"
+                f"({cfg.max_queued_tokens} queued prompt tokens): shorten it",
+                "tokens",
             )
         if self.num_requests >= cfg.max_queued_requests:
-            return (
+            return Refusal(
                 f"too many requests in flight ({self.num_requests} of "
-                f"{cfg.max_queued_requests}): retry later"
+                f"{cfg.max_queued_requests}): retry later",
+                "requests",
             )
         if self.num_tokens + num_tokens > cfg.max_queued_tokens:
-            return (
+            return Refusal(
                 f"too many queued prompt tokens ({self.num_tokens} + {num_tokens} > "
-                f"{cfg.max_queued_tokens}): retry later"
+                f"{cfg.max_queued_tokens}): retry later",
+                "tokens",
             )
         self.num_requests += 1
         self.num_tokens += num_tokens

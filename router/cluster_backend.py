@@ -40,6 +40,7 @@ from engine.messages import (
 from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
 from router.backend import Overloaded, Unavailable
+from router.metrics import RouterMetrics
 from router.pools import HealthConfig, PoolControl, Pools, RankFailed
 from router.routing import decode_preference, prefill_choice, prefix_key
 
@@ -122,6 +123,7 @@ class _Route:
     done: bool = False  # finished on a rank: nothing left to abort there
     started: bool = False  # the decode rank took the request (its reservation is used)
     kv_fallback: bool = False  # its p2p transfer failed once: the object store from now on
+    arrival: float = field(default_factory=time.monotonic)
 
 
 class ClusterBackend:
@@ -135,6 +137,7 @@ class ClusterBackend:
         routing: RoutingConfig | None = None,
         health: HealthConfig | None = None,
         control: PoolControl | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._model_info, self.tokenizer = model_info, tokenizer
         self.block_size = block_size
@@ -147,6 +150,7 @@ class ClusterBackend:
             self._on_pool_failed,
             self._on_pool_reformed,
         )
+        self.metrics = metrics
         self.router_id = uuid.uuid4().hex
         self._seq = itertools.count()
         self._routes: dict[str, _Route] = {}  # wire id -> route
@@ -222,7 +226,25 @@ class ClusterBackend:
                 rank = route.prefill if pool == "prefill" else route.decode
                 route.queue.put_nowait(RankFailed(pool, rank, "its pool is re-forming"))
 
+    def pool_ready(self, pool: str) -> float:
+        return 1.0 if self.pools[pool].ready.is_set() else 0.0
+
+    def sd_targets(self) -> list[dict]:
+        """Prometheus HTTP service discovery: every rank's /metrics, labelled by pool and rank
+        (read from the ranks' last status; re-formed ranks appear with their new ports)."""
+        targets = []
+        for (pool, rank), status in sorted(self.pools.status.items()):
+            if status.metrics_endpoint:
+                labels = {"pool": pool, "rank": str(rank), "model_name": self._model_info.model}
+                targets.append({"targets": [status.metrics_endpoint], "labels": labels})
+        return targets
+
     async def _on_pool_reformed(self, pool: str) -> None:
+        if self.metrics is not None:
+            self.metrics.child("epcluster_pool_reforms_total", pool).inc()
+            recovery = self.pools[pool].recovery_s
+            if recovery:
+                self.metrics.child("epcluster_pool_recovery_seconds", pool).observe(recovery[-1])
         self._prefill_load = [0] * len(self.pools["prefill"].ranks)
         self._decode_pending = [0] * len(self.pools["decode"].ranks)
         if pool == "decode":
@@ -309,11 +331,15 @@ class ClusterBackend:
                             f"failures and the last one failed too ({e}): retry later"
                         ) from e
                     route.resumes += 1
+                    if self.metrics is not None:
+                        self.metrics.child("epcluster_request_resumes_total", e.pool).inc()
                     log.info("resuming %s after %s (%d tokens sent)", cid, e, len(route.token_ids))
                 except _P2PTransferFailed as e:
                     await asyncio.shield(self._release(route))
                     route.kv_fallback = True
                     self.num_kv_fallbacks += 1
+                    if self.metrics is not None:
+                        self.metrics.child("epcluster_kv_transfer_fallbacks_total").inc()
                     self._rebuild_kv_group()
                     log.warning("resuming %s through the object store: %s", cid, e)
         finally:
@@ -376,9 +402,16 @@ class ClusterBackend:
         """Reserve the blocks on a decode rank, run the prompt on a prefill rank; -> the first
         token's delta, or None when the deadline passed or the request was aborted."""
         wire = route.wire
+        waited = time.monotonic()
         route.decode = await self._reserve(route)
         if route.decode is None:
             return None
+        asked = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.child("epcluster_kv_reservation_wait_seconds").observe(asked - waited)
+            self.metrics.child("epcluster_request_queue_time_seconds").observe(
+                asked - route.arrival
+            )
         prefill = self.pools["prefill"]
         route.prefill_gen = prefill.generation
         known = len(wire.known_token_ids)
@@ -393,6 +426,9 @@ class ClusterBackend:
                 self._prefill_load[route.prefill] -= known
         if result is _ABORTED:
             return None
+        if self.metrics is not None:
+            took = time.monotonic() - asked
+            self.metrics.child("epcluster_request_prefill_time_seconds").observe(took)
         route.first, route.kv = result
         route.done = route.first.finished  # finished on the prefill rank (EOS, a stop, ...)
         return route.first
@@ -433,6 +469,8 @@ class ClusterBackend:
             try:
                 await control.rebuild_kv()
                 self.num_kv_rebuilds += 1
+                if self.metrics is not None:
+                    self.metrics.child("epcluster_kv_group_rebuilds_total").inc()
             except Exception:
                 log.exception("rebuilding the KV transport group failed")
 

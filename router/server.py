@@ -17,10 +17,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.messages import GenerateRequest
+from engine.messages import GenerateRequest, RequestOutput
 from router import convert
 from router.admission import Admission, AdmissionConfig
 from router.backend import Backend, Overloaded, Unavailable
+from router.metrics import RequestTimer, RouterMetrics
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
 
@@ -35,9 +36,16 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, backend: Backend, admission: Admission, ready_wait_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        admission: Admission,
+        ready_wait_s: float = 30.0,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         self.backend = backend
         self.admission = admission
+        self.metrics = metrics
         self.ready_wait_s = ready_wait_s  # a request waits this long for a backend not ready
         self.draining = False  # stopping: new requests are refused, streams in flight go on
         self.in_flight: set[str] = set()  # request ids with an open stream on this router
@@ -47,6 +55,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> None:
         start = time.monotonic()
         if self.draining:
+            self._refused(grpc.StatusCode.UNAVAILABLE, "draining")
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 "this router is shutting down: retry (on another router)",
@@ -59,22 +68,42 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 request, self.backend.tokenizer, self.backend.prompt_limits(), deadline
             )
         except ValueError as e:
+            self._refused(_INVALID)
             await context.abort(_INVALID, str(e))
         if req.request_id in self.in_flight:
+            self._refused(_INVALID)
             await context.abort(
                 _INVALID, f"request_id {req.request_id!r} is already in flight: use a unique id"
             )
         num_tokens = len(req.prompt_token_ids)
-        reason = self.admission.try_admit(num_tokens)
-        if reason is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
+        refusal = self.admission.try_admit(num_tokens)
+        if refusal is not None:
+            self._refused(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.kind)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refusal))
         # NOTE: no await between the duplicate check and here, so two streams cannot both pass.
         self.in_flight.add(req.request_id)
+        timer = None
+        if self.metrics is not None:
+            timer = self.metrics.request(start)
+            self.metrics.child("epcluster_prompt_tokens_total").inc(num_tokens)
+        last: RequestOutput | None = None
         try:
-            error = await self._wait_ready(req.deadline) or await self._stream(req, context, start)
+            error = await self._wait_ready(req.deadline)
+            if error is None:
+                error, last = await self._stream(req, context, start, timer)
+        except asyncio.CancelledError:  # the client cancelled, or gRPC's deadline passed
+            if timer is not None:
+                timer.finish("abort", "DEADLINE_EXCEEDED" if _past(req.deadline) else "CANCELLED")
+            raise
         finally:
             self.in_flight.discard(req.request_id)
             self.admission.release(num_tokens)
+        if timer is not None:
+            if error is None:
+                timer.finish(last.finish_reason, "OK", last.num_cached_tokens)
+            else:
+                aborted = error[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+                timer.finish("abort" if aborted else "error", error[0].name)
         if error is not None:
             code, message = error
             pushback = ((RETRY_PUSHBACK, "2000"),) if code == grpc.StatusCode.UNAVAILABLE else ()
@@ -99,10 +128,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return None
 
     async def _stream(
-        self, req: GenerateRequest, context: grpc.aio.ServicerContext, start: float
-    ) -> Status | None:
-        """Write the backend's deltas; -> the status to fail the RPC with, if any."""
+        self,
+        req: GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        start: float,
+        timer: RequestTimer | None,
+    ) -> tuple[Status | None, RequestOutput | None]:
+        """Write the backend's deltas; -> the status to fail the RPC with (if any), and the
+        last delta."""
         finished = sent = written = False
+        out = None
         try:
             async with contextlib.aclosing(self.backend.generate(req)) as deltas:
                 async for out in deltas:
@@ -110,24 +145,31 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     if out.token_ids and not sent:
                         ttft, sent = time.monotonic() - start, True
                     await context.write(convert.output_to_proto(out, ttft))
+                    if timer is not None:
+                        timer.tokens(len(out.token_ids))
                     written = True
                     finished = out.finished
             if not finished:
-                return grpc.StatusCode.INTERNAL, "the backend ended the stream without a finish"
+                error = grpc.StatusCode.INTERNAL, "the backend ended the stream without a finish"
+                return error, out
             if out.finish_reason == "abort" and _past(req.deadline):
                 # The backend enforced the deadline a moment before gRPC did: same status.
-                return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: request aborted"
+                return (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: aborted"), out
         except asyncio.CancelledError:  # client cancel or deadline: the finally aborts
             raise
         except Exception as e:
-            return _status_of(req, e, written)
+            return _status_of(req, e, written), out
         finally:
             if not finished:  # free the request's KV blocks, even while being cancelled
                 try:
                     await asyncio.shield(self.backend.abort(req.request_id))
                 except Exception:
                     log.exception("aborting request %s failed", req.request_id)
-        return None
+        return None, out
+
+    def _refused(self, code: grpc.StatusCode, admission: str | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.refused(code.name, admission)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -181,11 +223,12 @@ class RouterServer:
         admission: AdmissionConfig,
         ready_poll_s: float,
         ready_wait_s: float,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.backend = backend
         self.host = host
         self.ready_poll_s = ready_poll_s
-        self.servicer = InferenceServicer(backend, Admission(admission), ready_wait_s)
+        self.servicer = InferenceServicer(backend, Admission(admission), ready_wait_s, metrics)
         self._serving = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router", daemon=True)
@@ -295,9 +338,10 @@ def serve(
     admission: AdmissionConfig | None = None,
     ready_poll_s: float = 0.1,
     ready_wait_s: float = 30.0,
+    metrics: RouterMetrics | None = None,
 ) -> RouterServer:
     """Start the router on host:port (0 picks a free port: see .port) and return it. Health is
     NOT_SERVING until backend.ready(); `wait_ready()` blocks until then."""
     return RouterServer(
-        backend, host, port, admission or AdmissionConfig(), ready_poll_s, ready_wait_s
+        backend, host, port, admission or AdmissionConfig(), ready_poll_s, ready_wait_s, metrics
     )

@@ -27,7 +27,8 @@ def wait_quiet(client: InferenceClient, timeout: float = 20.0):
 
 
 def make_cluster(**overrides) -> Cluster:
-    return Cluster(ClusterConfig.load(None, **{"port": 0, "model": "tiny-random", **overrides}))
+    defaults = {"port": 0, "metrics_port": 0, "rank_metrics_port": 0, "model": "tiny-random"}
+    return Cluster(ClusterConfig.load(None, **{**defaults, **overrides}))
 
 
 def start_cluster(**overrides) -> Cluster:

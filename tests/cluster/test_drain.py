@@ -25,7 +25,8 @@ def test_sigterm_drains_the_streams_in_flight():
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     serve = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)]
-        + ["--prefill-ranks", "1", "--decode-ranks", "1", "--drain-timeout", "120"],
+        + ["--prefill-ranks", "1", "--decode-ranks", "1", "--drain-timeout", "120"]
+        + ["--metrics-port", "0", "--rank-metrics-port", "0"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -4,8 +4,11 @@ shutdown leaves none of the processes it started behind (other Ray clusters on t
 not this test's business)."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import psutil
@@ -104,3 +107,24 @@ def test_startup_health_prompt_limits_and_clean_shutdown():
     while alive(ours) and time.monotonic() < end:
         time.sleep(0.5)
     assert not alive(ours), {pid: ours[pid] for pid in alive(ours)}
+
+
+def test_a_local_cluster_stays_on_loopback_whatever_was_imported_first():
+    """Ray reads its loopback switch when imported: a program that imported ray (through
+    cluster.launcher) before starting a local cluster must still get a loopback-only Ray."""
+    script = (
+        "import ray, sys\n"
+        "from cluster.launcher import Cluster\n"
+        "from tests.cluster.conftest import make_cluster\n"
+        "c = make_cluster()\n"
+        "c.start_ray()\n"
+        "print([n['NodeManagerAddress'] for n in ray.nodes()])\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['127.0.0.1']", out.stdout
