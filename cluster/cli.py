@@ -123,6 +123,16 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"{r.kv_total_blocks} blocks ({100 * r.kv_usage:.0f}%), "
                     f"{len(next(iter(r.expert_ids.values()), []))} expert slots"
                 )
+        if args.expert_load:
+            from cluster.plots import draw_expert_load
+
+            pools = client.expert_load()
+            for pool in pools:
+                for layer, per_rank in sorted(pool.rank_tokens().items()):
+                    total = sum(per_rank) or 1
+                    shares = " ".join(f"{n / total:.2f}" for n in per_rank)
+                    print(f"  {pool.pool:7} layer {layer}: tokens per rank {shares} of {total}")
+            print(f"expert load heatmap: {draw_expert_load(pools, args.expert_load)}")
     finally:
         client.close()
     return 0
@@ -231,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
     status = sub.add_parser("status", help="pools, ranks and KV usage of a running router")
     status.add_argument("--target", default="127.0.0.1:50051")
+    status.add_argument(
+        "--expert-load", metavar="PNG", help="also draw each pool's expert load as heatmaps"
+    )
     status.set_defaults(func=cmd_status)
 
     args = parser.parse_args(argv)

@@ -54,6 +54,9 @@ class RankHandle:
     async def abort(self, request_id: str) -> None:
         await self._call(self.actor.abort.remote(request_id))
 
+    async def expert_load(self) -> dict[int, tuple[list[int], list[int]]]:
+        return await self._call(self.actor.expert_load.remote())
+
 
 class PrefillHandle(RankHandle):
     async def prefill(self, request: GenerateRequest, kv_dst: int) -> tuple[RequestOutput, Any]:

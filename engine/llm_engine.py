@@ -308,6 +308,17 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
 
+    def expert_load(self) -> dict[int, tuple[list[int], list[int]]]:
+        """MoE layer -> (tokens this rank routed to each physical slot [S], the logical expert
+        in each slot [S]) since the start. One host sync: call it between steps, not per step."""
+        out = {}
+        for layer, moe in zip(self.model.config.moe_layers, self.model.moe_layers(), strict=True):
+            d = moe.dispatcher
+            experts = d.slot_experts
+            tokens = d.load.tolist() if d.load is not None else [0] * len(experts)
+            out[layer] = (tokens, experts)
+        return out
+
     def assert_no_leaks(self) -> None:
         """With no request alive, every KV block is free or cached and unreferenced."""
         assert not self.has_unfinished(), "requests are still alive"

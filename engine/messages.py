@@ -191,6 +191,36 @@ class PoolStatus:
 
 
 @dataclass(slots=True)
+class PoolLoad:
+    """Tokens routed to each physical expert slot of each MoE layer of a pool."""
+
+    pool: str
+    num_ranks: int  # slot s lives on rank s // (slots // num_ranks)
+    num_experts: int
+    layers: dict[int, tuple[list[int], list[int]]]  # model layer -> (tokens [S], expert [S])
+
+    def rank_tokens(self) -> dict[int, list[int]]:
+        """Model layer -> tokens routed to each rank [R]."""
+        out = {}
+        for layer, (tokens, _) in self.layers.items():
+            per_rank = len(tokens) // self.num_ranks
+            out[layer] = [
+                sum(tokens[r * per_rank : (r + 1) * per_rank]) for r in range(self.num_ranks)
+            ]
+        return out
+
+    def expert_tokens(self) -> dict[int, list[int]]:
+        """Model layer -> tokens routed to each logical expert [E] (its replicas summed)."""
+        out = {}
+        for layer, (tokens, experts) in self.layers.items():
+            totals = [0] * self.num_experts
+            for n, e in zip(tokens, experts, strict=True):
+                totals[e] += n
+            out[layer] = totals
+        return out
+
+
+@dataclass(slots=True)
 class ClusterStatus:
     """What the router reports about the pools (GetClusterStatus).
 

@@ -204,6 +204,10 @@ class Rank(abc.ABC):
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort_request(request_id))
 
+    async def expert_load(self) -> dict[int, tuple[list[int], list[int]]]:
+        """MoE layer -> (tokens this rank routed to each physical slot, slot experts)."""
+        return await self.call(lambda e: e.expert_load())
+
     def ready(self) -> bool:
         return self.loop is not None and self.loop.alive
 

@@ -160,11 +160,17 @@ class LocalDispatcher:
     def __init__(self, expert_ids: list[int], num_experts: int) -> None:
         self.expert_ids = list(expert_ids)
         self.stats = CommStats()
+        self.load: torch.Tensor | None = None  # [S_r] int64 tokens routed to each slot
         # NOTE: explicit cpu: factory calls under a meta-device context import torch._dynamo.
         log2slot = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")  # [E]
         for slot in reversed(range(len(self.expert_ids))):
             log2slot[self.expert_ids[slot]] = slot
         self._log2slot = log2slot
+
+    @property
+    def slot_experts(self) -> list[int]:
+        """The logical expert in each slot whose load `load` counts."""
+        return self.expert_ids
 
     def dispatch(
         self,
@@ -188,7 +194,9 @@ class LocalDispatcher:
             )
         send_order = torch.argsort(slots, stable=True)  # [T * K]
         rows = x[send_order // top_k]  # [T * K, D]
-        counts = torch.bincount(slots, minlength=len(self.expert_ids)).tolist()  # [S_r]
+        counts_t = torch.bincount(slots, minlength=len(self.expert_ids))  # [S_r]
+        self.load = counts_t if self.load is None else self.load + counts_t
+        counts = counts_t.tolist()
         self.stats.rows += rows.shape[0]
         return DispatchHandle(topk_weights, send_order, rows, recv_x=rows, recv_counts=counts)
 
@@ -228,6 +236,13 @@ class AllToAllDispatcher:
         self.layer_pos = layer_pos
         self.rank = rank
         self.stats = CommStats()
+        # [S] int64 tokens this rank routed to each physical slot of the pool (on the device:
+        # no sync per step); the pool's load is the sum over its ranks
+        self.load: torch.Tensor | None = None
+
+    @property
+    def slot_experts(self) -> list[int]:
+        return self.placement.phy2log[self.layer_pos].tolist()
 
     def dispatch(
         self,
@@ -252,6 +267,7 @@ class AllToAllDispatcher:
         # Slot ids are rank-major, so sorting by slot sorts by (destination rank, slot).
         send_order = torch.argsort(phy, stable=True)  # [T * K]
         send_counts = torch.bincount(phy, minlength=placement.num_slots)  # [S] = [R * S_r]
+        self.load = send_counts if self.load is None else self.load + send_counts
         started = time.perf_counter()
         recv_counts = torch.empty_like(send_counts)  # [R * S_r]: from (source rank, my slot)
         counts_work = dist.all_to_all_single(

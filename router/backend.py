@@ -8,7 +8,7 @@ before calling `generate`; a backend never sees a request the router has refused
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, RequestOutput
+from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolLoad, RequestOutput
 from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
 
@@ -57,6 +57,10 @@ class Backend(Protocol):
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks on every rank. Idempotent: unknown or finished
         ids are ignored. The request's stream, if still open, ends with finish_reason "abort"."""
+        ...
+
+    async def expert_load(self) -> list[PoolLoad]:
+        """Each pool's tokens per expert slot and MoE layer (a few RPCs: not per request)."""
         ...
 
     async def status(self) -> ClusterStatus:

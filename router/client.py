@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.messages import ClusterStatus, ModelInfo, RequestOutput
+from engine.messages import ClusterStatus, ModelInfo, PoolLoad, RequestOutput
 from engine.sampling_params import SamplingParams
 from router import convert
 from router.proto import epcluster_pb2 as pb
@@ -81,6 +81,10 @@ class InferenceClient:
     def cluster_status(self) -> ClusterStatus:
         msg = self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout)
         return convert.cluster_status_from_proto(msg)
+
+    def expert_load(self) -> list[PoolLoad]:
+        msg = self.stub.GetExpertLoad(pb.GetExpertLoadRequest(), timeout=self.timeout)
+        return convert.expert_load_from_proto(msg)
 
     def health(self, service: str = "") -> str:
         """The service's status name: SERVING, NOT_SERVING, ... (service "" is the whole

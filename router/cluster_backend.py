@@ -32,6 +32,7 @@ from engine.messages import (
     ClusterStatus,
     GenerateRequest,
     ModelInfo,
+    PoolLoad,
     PoolStatus,
     RankStatus,
     RequestOutput,
@@ -212,6 +213,19 @@ class ClusterBackend:
             ]
             pools.append(PoolStatus(name, ranks))
         return ClusterStatus(pools, num_in_flight=len(self._by_client))
+
+    async def expert_load(self) -> list[PoolLoad]:
+        """Each pool's load: the tokens its ranks routed to every physical slot, summed."""
+        out = []
+        for name in ("prefill", "decode"):
+            ranks = self.pools[name].ranks
+            loads = await asyncio.gather(*(r.expert_load() for r in ranks))
+            layers = {}
+            for layer, (tokens, experts) in loads[0].items():
+                total = [sum(load[layer][0][s] for load in loads) for s in range(len(tokens))]
+                layers[layer] = (total, experts)
+            out.append(PoolLoad(name, len(ranks), self._model_info.num_routed_experts, layers))
+        return out
 
     # ---- pools failing and coming back ----
 

@@ -14,6 +14,7 @@ from engine.messages import (
     ClusterStatus,
     GenerateRequest,
     ModelInfo,
+    PoolLoad,
     PoolStatus,
     RankStatus,
     RequestOutput,
@@ -256,6 +257,11 @@ def cluster_status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
                 kv_usage=r.kv_usage,
                 num_reserved=r.num_reserved,
                 block_size=r.block_size,
+                max_model_len=r.max_model_len,
+                num_steps=r.num_steps,
+                stalled_s=r.stalled_s,
+                num_pending=r.num_pending,
+                metrics_endpoint=r.metrics_endpoint,
             )
         layers = [layer for r in pool.ranks for layer in r.expert_ids]
         if not layers:
@@ -288,6 +294,11 @@ def cluster_status_from_proto(msg: pb.ClusterStatus) -> ClusterStatus:
                     num_reserved=r.num_reserved,
                     block_size=r.block_size,
                     expert_ids=experts.get((pool.name, r.rank), {}),
+                    max_model_len=r.max_model_len,
+                    num_steps=r.num_steps,
+                    stalled_s=r.stalled_s,
+                    num_pending=r.num_pending,
+                    metrics_endpoint=r.metrics_endpoint,
                 )
                 for r in pool.ranks
             ],
@@ -300,3 +311,29 @@ def cluster_status_from_proto(msg: pb.ClusterStatus) -> ClusterStatus:
         num_queued=msg.queue_depth,
         num_queued_tokens=msg.queued_prompt_tokens,
     )
+
+
+# ---- expert load ----
+
+
+def expert_load_to_proto(pools: list[PoolLoad]) -> pb.ExpertLoad:
+    msg = pb.ExpertLoad()
+    for pool in pools:
+        pool_msg = msg.pools.add(
+            pool=pool.pool, num_ranks=pool.num_ranks, num_experts=pool.num_experts
+        )
+        for layer, (tokens, experts) in sorted(pool.layers.items()):
+            pool_msg.layers.add(layer=layer, slot_tokens=tokens, slot_experts=experts)
+    return msg
+
+
+def expert_load_from_proto(msg: pb.ExpertLoad) -> list[PoolLoad]:
+    return [
+        PoolLoad(
+            p.pool,
+            p.num_ranks,
+            p.num_experts,
+            {ll.layer: (list(ll.slot_tokens), list(ll.slot_experts)) for ll in p.layers},
+        )
+        for p in msg.pools
+    ]

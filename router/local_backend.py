@@ -19,6 +19,7 @@ from engine.messages import (
     ClusterStatus,
     GenerateRequest,
     ModelInfo,
+    PoolLoad,
     PoolStatus,
     RequestOutput,
     StepResult,
@@ -109,6 +110,10 @@ class LocalBackend:
         if not self._loop.alive:  # nobody else touches the engine: read it here
             return self._status()
         return await self.call(lambda _: self._status())
+
+    async def expert_load(self) -> list[PoolLoad]:
+        num_experts = self._model_info.num_routed_experts
+        return [PoolLoad("local", 1, num_experts, await self.call(lambda e: e.expert_load()))]
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) on the engine thread between steps and return its result (for status

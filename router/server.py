@@ -177,6 +177,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         await _reject_unknown_fields(request, context)
         return convert.model_info_to_proto(self.backend.model_info())
 
+    async def GetExpertLoad(
+        self, request: pb.GetExpertLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExpertLoad:
+        await _reject_unknown_fields(request, context)
+        return convert.expert_load_to_proto(await self.backend.expert_load())
+
     async def GetClusterStatus(
         self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClusterStatus:

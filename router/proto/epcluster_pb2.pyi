@@ -139,7 +139,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "ready", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "kv_cached_blocks", "kv_usage", "num_reserved", "block_size")
+    __slots__ = ("rank", "ready", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "kv_cached_blocks", "kv_usage", "num_reserved", "block_size", "max_model_len", "num_steps", "stalled_s", "num_pending", "metrics_endpoint")
     RANK_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,11 @@ class RankStatus(_message.Message):
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     ready: bool
     num_running: int
@@ -160,7 +165,12 @@ class RankStatus(_message.Message):
     kv_usage: float
     num_reserved: int
     block_size: int
-    def __init__(self, rank: _Optional[int] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    num_steps: int
+    stalled_s: float
+    num_pending: int
+    metrics_endpoint: str
+    def __init__(self, rank: _Optional[int] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., stalled_s: _Optional[float] = ..., num_pending: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("name", "ranks")
@@ -203,3 +213,35 @@ class ClusterStatus(_message.Message):
     in_flight: int
     placement: _containers.RepeatedCompositeFieldContainer[PoolPlacement]
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., placement: _Optional[_Iterable[_Union[PoolPlacement, _Mapping]]] = ...) -> None: ...
+
+class GetExpertLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LayerLoad(_message.Message):
+    __slots__ = ("layer", "slot_tokens", "slot_experts")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SLOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    slot_tokens: _containers.RepeatedScalarFieldContainer[int]
+    slot_experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., slot_tokens: _Optional[_Iterable[int]] = ..., slot_experts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PoolLoad(_message.Message):
+    __slots__ = ("pool", "num_ranks", "num_experts", "layers")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    num_ranks: int
+    num_experts: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerLoad]
+    def __init__(self, pool: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerLoad, _Mapping]]] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolLoad]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolLoad, _Mapping]]] = ...) -> None: ...

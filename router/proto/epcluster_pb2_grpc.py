@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=router_dot_proto_dot_epcluster__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=router_dot_proto_dot_epcluster__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.GetExpertLoad = channel.unary_unary(
+                '/epcluster.v1.Inference/GetExpertLoad',
+                request_serializer=router_dot_proto_dot_epcluster__pb2.GetExpertLoadRequest.SerializeToString,
+                response_deserializer=router_dot_proto_dot_epcluster__pb2.ExpertLoad.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -76,6 +81,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetExpertLoad(self, request, context):
+        """Tokens routed to each expert slot of each MoE layer, per pool, since the pool started (the
+        input of expert load balancing; `epcluster status --expert-load` draws it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=router_dot_proto_dot_epcluster__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=router_dot_proto_dot_epcluster__pb2.ClusterStatus.SerializeToString,
+            ),
+            'GetExpertLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetExpertLoad,
+                    request_deserializer=router_dot_proto_dot_epcluster__pb2.GetExpertLoadRequest.FromString,
+                    response_serializer=router_dot_proto_dot_epcluster__pb2.ExpertLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class Inference:
             '/epcluster.v1.Inference/GetClusterStatus',
             router_dot_proto_dot_epcluster__pb2.GetClusterStatusRequest.SerializeToString,
             router_dot_proto_dot_epcluster__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetExpertLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epcluster.v1.Inference/GetExpertLoad',
+            router_dot_proto_dot_epcluster__pb2.GetExpertLoadRequest.SerializeToString,
+            router_dot_proto_dot_epcluster__pb2.ExpertLoad.FromString,
             options,
             channel_credentials,
             insecure,

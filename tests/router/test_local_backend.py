@@ -150,3 +150,26 @@ def test_close_ends_open_streams_with_abort():
     assert engine_load(local.engine) == (False, 0)  # the thread is gone: safe to read here
     with pytest.raises(RuntimeError, match="not running"):
         asyncio.run(collect(local, request("d", [5], LONG)))
+
+
+def test_expert_load_counts_every_routed_token(backend):
+    """Each MoE layer routes every computed token to K experts: the per-slot counts sum to
+    tokens x K, and the per-expert view matches the slots (no replicas here)."""
+
+    def computed():
+        return on_engine(backend, lambda e: e.num_computed_tokens)
+
+    async def run():
+        before = await backend.expert_load()
+        await collect(backend, request("load", list(range(7, 40)), SamplingParams(max_tokens=5)))
+        return before, await backend.expert_load()
+
+    start = computed()
+    (before,), (after,) = asyncio.run(run())
+    k = on_engine(backend, lambda e: e.model.config.num_experts_per_tok)
+    tokens_run = computed() - start
+    assert tokens_run >= 4  # the decode steps at least (the prompt may be prefix-cached)
+    for layer, (tokens, experts) in after.layers.items():
+        assert sum(tokens) - sum(before.layers[layer][0]) == tokens_run * k
+        assert after.expert_tokens()[layer] == [tokens[experts.index(e)] for e in range(16)]
+        assert after.rank_tokens()[layer] == [sum(tokens)]

@@ -428,7 +428,12 @@ def test_reflection_lists_the_services(server):
             "grpc.reflection.v1alpha.ServerReflection",
         } <= services
         inference = DescriptorPool(db).FindServiceByName("epcluster.v1.Inference")
-        assert set(inference.methods_by_name) == {"Generate", "GetModelInfo", "GetClusterStatus"}
+        assert set(inference.methods_by_name) == {
+            "Generate",
+            "GetModelInfo",
+            "GetClusterStatus",
+            "GetExpertLoad",
+        }
         assert inference.methods_by_name["Generate"].server_streaming
 
 
