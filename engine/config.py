@@ -24,6 +24,7 @@ class EngineConfig:
     # in the pool has at least tbo_min_tokens: below that the split costs more than it hides).
     two_batch_overlap: str = "auto"
     tbo_min_tokens: int = 32
+    metrics: bool = True  # count what the rank's /metrics exports (bench/metrics_overhead.py)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:

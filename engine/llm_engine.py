@@ -219,6 +219,8 @@ class LLMEngine:
 
     def _record_step(self, started: float, batch: ScheduledBatch, split: bool | None) -> None:
         """Counters for the rank's metrics (plain adds on this thread; read at scrape)."""
+        if not self.config.metrics:
+            return
         s, comm, last = self.stats, self.comm, self._last_comm
         s.observe("epcluster_step_duration_seconds", time.perf_counter() - started)
         s.observe("epcluster_step_tokens", sum(batch.num_new_tokens))
