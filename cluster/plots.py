@@ -33,6 +33,8 @@ def draw_expert_load(pools: list[PoolLoad], path: str | Path) -> Path:
             ax = axes[row][col]
             image = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0)
             ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+            width = len(shares[0]) if shares else 0
+            ax.set_xticks(range(0, width, max(1, width // 16)))
             ax.set_ylabel("MoE layer")
             ax.set_xlabel(title)
             tokens = sum(sum(table[layer]) for layer in layers) // max(len(layers), 1)

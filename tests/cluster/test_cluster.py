@@ -185,3 +185,24 @@ def test_a_request_done_on_the_prefill_rank_releases_its_decode_reservation(clie
     assert (out.num_completion_tokens, out.finish_reason) == (1, "length")
     status = wait_quiet(client)
     assert all(r.num_reserved == 0 for p in status.pools for r in p.ranks)
+
+
+def test_status_draws_the_expert_load(cluster, client, tmp_path, capsys):
+    """`epcluster status --expert-load` through the router: every pool's per-slot counts,
+    consistent with the placement GetClusterStatus reports, drawn as a PNG."""
+    from cluster.cli import main
+
+    client.complete(list(range(5, 60)), SamplingParams(max_tokens=4, temperature=0))
+    png = tmp_path / "load.png"
+    assert main(["status", "--target", cluster.address, "--expert-load", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tokens per rank" in capsys.readouterr().out
+    pools = {p.pool: p for p in client.expert_load()}
+    status = client.cluster_status()
+    for pool in status.pools:
+        load = pools[pool.name]
+        layer = min(load.layers)
+        tokens, experts = load.layers[layer]
+        held = sum((r.expert_ids[layer] for r in pool.ranks), [])
+        assert experts == held and len(tokens) == 16  # slot order is rank-major
+        assert sum(tokens) > 0 and sum(load.expert_tokens()[layer]) == sum(tokens)
