@@ -2,7 +2,8 @@
 
 epcluster serve [--config FILE] [--model M] [--prefill-ranks N] [--decode-ranks N] ...
 epcluster generate --prompt TEXT [--target HOST:PORT | --model M] [sampling flags] [--json]
-epcluster status --target HOST:PORT
+epcluster status --target HOST:PORT [--expert-load PNG]
+epcluster rebalance --target HOST:PORT [--pool prefill|decode] [--save FILE]
 """
 
 import argparse
@@ -12,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -123,6 +125,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"{r.kv_total_blocks} blocks ({100 * r.kv_usage:.0f}%), "
                     f"{len(next(iter(r.expert_ids.values()), []))} expert slots"
                 )
+            lead = pool.ranks[0].rebalance if pool.ranks else None
+            if lead is not None:
+                print(f"  {pool.name:7} experts: {describe_rebalance(lead)}")
         if args.expert_load:
             from cluster.plots import draw_expert_load
 
@@ -135,6 +140,38 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"expert load heatmap: {draw_expert_load(pools, args.expert_load)}")
     finally:
         client.close()
+    return 0
+
+
+def describe_rebalance(r) -> str:
+    if not r.number:
+        return "no rebalance yet"
+    return (
+        f"rebalance {r.number} {r.outcome}{' (moving)' if r.moving else ''}: balancedness "
+        f"{r.balancedness_before:.3f} -> {r.balancedness_after:.3f} (mean / max rank load), "
+        f"{r.slots_moved} slots in {r.layers_moved} layers moved in {r.duration_s:.2f} s, "
+        f"longest pause {1000 * r.longest_pause_s:.1f} ms"
+    )
+
+
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    from router.client import InferenceClient
+
+    with InferenceClient(args.target, timeout=args.timeout) as client:
+        for pool, status in client.rebalance(args.pool):
+            print(f"{pool}: {describe_rebalance(status)}")
+        if args.save:
+            placements = {
+                p.pool: {
+                    "layers": sorted(p.layers),
+                    "num_ranks": p.num_ranks,
+                    "num_experts": p.num_experts,
+                    "phy2log": [p.layers[layer][1] for layer in sorted(p.layers)],
+                }
+                for p in client.expert_load()
+            }
+            Path(args.save).write_text(json.dumps(placements, indent=1) + "\n")
+            print(f"placements saved to {args.save} (start with it: placement_file in a pool)")
     return 0
 
 
@@ -238,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--timeout", type=float, default=None, help="seconds (a gRPC deadline)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
+
+    rebalance = sub.add_parser("rebalance", help="re-place the experts of a running cluster now")
+    rebalance.add_argument("--target", default="127.0.0.1:50051")
+    rebalance.add_argument("--pool", choices=["prefill", "decode"], help="one pool (default both)")
+    rebalance.add_argument("--save", metavar="FILE", help="then save the placements (JSON)")
+    rebalance.add_argument("--timeout", type=float, default=600.0)
+    rebalance.set_defaults(func=cmd_rebalance)
 
     status = sub.add_parser("status", help="pools, ranks and KV usage of a running router")
     status.add_argument("--target", default="127.0.0.1:50051")

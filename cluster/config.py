@@ -72,6 +72,7 @@ class PoolConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     two_batch_overlap: str = "auto"
+    placement_file: str | None = None  # the expert placement to start with (rebalance --save)
     # custom Ray resources each rank's bundle asks for, e.g. {"epcluster_prefill": 1}: a
     # pool's ranks then land only on nodes (worker groups) that offer them
     resources: dict[str, float] = field(default_factory=dict)
@@ -124,6 +125,11 @@ class ClusterConfig:
     recovery_wait_s: float = 120.0  # a request waits this long for a re-forming pool
     max_resumes: int = 3  # times one request is resumed after rank failures
     drain_timeout_s: float = 30.0  # SIGTERM / Ctrl-C: in-flight streams get this long to finish
+    eplb_interval_s: float = 0.0  # rebalance both pools' experts this often (0: on demand only)
+    eplb_min_gain: float = 0.05  # skip a rebalance that lowers the max rank load by less
+    eplb_max_moves: int = 0  # slots per layer one rebalance may change (0: any)
+    eplb_layers_per_round: int = 0  # layers switched per step (0: all at once)
+    eplb_decay: float = 0.5  # share of the previous load window kept at each rebalance
     start_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the rank actors
 
@@ -199,6 +205,10 @@ class ClusterConfig:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             two_batch_overlap=p.two_batch_overlap,
+            eplb_min_gain=self.eplb_min_gain,
+            eplb_max_moves=self.eplb_max_moves,
+            eplb_layers_per_round=self.eplb_layers_per_round,
+            eplb_decay=self.eplb_decay,
         )
 
     def resolve_gpus(self, cluster_gpus: float) -> "ClusterConfig":

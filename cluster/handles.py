@@ -57,6 +57,9 @@ class RankHandle:
     async def expert_load(self) -> dict[int, tuple[list[int], list[int]]]:
         return await self._call(self.actor.expert_load.remote())
 
+    async def request_rebalance(self) -> bool:
+        return await self._call(self.actor.request_rebalance.remote())
+
 
 class PrefillHandle(RankHandle):
     async def prefill(self, request: GenerateRequest, kv_dst: int) -> tuple[RequestOutput, Any]:

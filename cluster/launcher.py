@@ -77,6 +77,7 @@ class Cluster:
                     recovery_wait_s=c.recovery_wait_s,
                     max_resumes=c.max_resumes,
                     kv_p2p=c.kv_transport == "p2p",
+                    eplb_interval_s=c.eplb_interval_s,
                 ),
                 HealthConfig(stall_timeout_s=c.rank_stall_timeout_s),
                 control=self,
@@ -127,11 +128,14 @@ class Cluster:
         await asyncio.gather(*(pool.start(kv_master) for pool in self.pools.values()))
         await self.backend.start()
 
-    async def reform(self, name: str) -> list:
+    async def reform(self, name: str, placement: dict | None = None) -> list:
         """PoolControl: replace every rank of the pool `name` (the router calls this after one
-        of them died or hung); -> the new rank handles. With the p2p KV transport, the other
-        pool's ranks join the new KV group too."""
+        of them died or hung), loading the experts of `placement` (the pool's last known:
+        live rebalances change it); -> the new rank handles. With the p2p KV transport, the
+        other pool's ranks join the new KV group too."""
         pool = self.pools[name]
+        if placement is not None:
+            pool.placement = placement
         started = time.monotonic()
         if self.config.kv_transport != "p2p":
             await pool.reform()

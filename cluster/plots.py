@@ -18,9 +18,7 @@ def draw_expert_load(pools: list[PoolLoad], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     pools = [p for p in pools if p.layers]
-    fig, axes = plt.subplots(
-        len(pools), 2, figsize=(12, 1.2 + 0.9 * len(pools) * 3), squeeze=False
-    )
+    fig, axes = plt.subplots(len(pools), 2, figsize=(12, 1.2 + 0.9 * len(pools) * 3), squeeze=False)
     for row, pool in enumerate(pools):
         layers = sorted(pool.layers)
         for col, (title, table) in enumerate(

@@ -8,10 +8,12 @@ the experts of the current placement.
 """
 
 import asyncio
+import json
 import logging
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -22,6 +24,7 @@ from cluster.handles import DecodeHandle, PrefillHandle
 from decode_workers import DecodeWorker
 from engine.messages import RankStatus
 from engine.rank import RankConfig, Rendezvous
+from moe.placement import Placement
 from prefill_workers import PrefillWorker
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class Pool:
         # Index of each rank in the cluster-wide KV transport group: prefill ranks, then decode.
         self.kv_offset = 0 if name == "prefill" else config.prefill.num_ranks
         self.generation = 0
+        self.placement = load_placement(pool.placement_file, name) if pool.placement_file else None
         bundle = {"CPU": config.cpus_per_rank, **pool.resources}
         if config.gpus_per_rank:
             bundle["GPU"] = config.gpus_per_rank
@@ -83,6 +87,7 @@ class Pool:
                     kv_world=kv_world,
                     kv_timeout_s=c.kv_transfer_timeout_s,
                     metrics_port=c.rank_metrics_port,
+                    placement=self.placement,
                 )
             )
             for r in range(self.num_ranks)
@@ -142,6 +147,15 @@ class Pool:
     def shutdown(self) -> None:
         self.kill_actors()
         remove_placement_group(self.placement_group)
+
+
+def load_placement(path: str, pool: str) -> dict:
+    """The pool's placement from a placement file (`epcluster rebalance --save` writes one with
+    an entry per pool; a file with a single placement serves any pool)."""
+    data = json.loads(Path(path).read_text())
+    entry = data.get(pool, data) if isinstance(data, dict) else data
+    Placement.from_dict(entry)  # fails here, at start, with what is wrong
+    return entry
 
 
 def _node_address(_self) -> str:

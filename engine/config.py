@@ -25,6 +25,11 @@ class EngineConfig:
     two_batch_overlap: str = "auto"
     tbo_min_tokens: int = 32
     metrics: bool = True  # count what the rank's /metrics exports (bench/metrics_overhead.py)
+    # Live expert load balancing (engine/balancer.py), in expert-parallel pools:
+    eplb_min_gain: float = 0.05  # skip a rebalance that lowers the max rank load by less
+    eplb_max_moves: int = 0  # slots per layer one rebalance may change (0: any)
+    eplb_layers_per_round: int = 0  # layers switched per step (0: all at once)
+    eplb_decay: float = 0.5  # the share of the old load window kept at each rebalance
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -43,6 +48,10 @@ class EngineConfig:
         )
         need(self.tbo_min_tokens >= 2, "tbo_min_tokens", "must be >= 2")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        need(self.eplb_min_gain >= 0, "eplb_min_gain", "must be >= 0")
+        need(self.eplb_max_moves >= 0, "eplb_max_moves", "must be >= 0")
+        need(self.eplb_layers_per_round >= 0, "eplb_layers_per_round", "must be >= 0")
+        need(0 <= self.eplb_decay <= 1, "eplb_decay", "must be in [0, 1]")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -38,4 +38,7 @@ def build_ep_engine(
         experts=placement.rank_experts(rank),
     )
     install_expert_parallel(model, group, placement, rank)
-    return LLMEngine(config, model, ep_group=group, ep_size=num_ranks)
+    # Expert weights of a live re-placement travel on a group of their own, beside the
+    # all-to-alls (every rank of the pool creates it here, in the same order).
+    moves_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+    return LLMEngine(config, model, group, num_ranks, placement, moves_group)

@@ -2,6 +2,7 @@
 schedule -> run -> postprocess; `step()` returns what each request gained in that step, and the
 prefill-only requests it handed off (with their KV)."""
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -10,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.balancer import Balancer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import update_text
@@ -34,6 +36,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.tokenizer import Tokenizer, load_tokenizer
 from moe.loader import load_model, resolve_model_path
 from moe.model import DeepseekForCausalLM
+from moe.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,12 @@ class LLMEngine:
         model: DeepseekForCausalLM | None = None,
         ep_group: "dist.ProcessGroup | None" = None,
         ep_size: int = 1,
+        placement: Placement | None = None,
+        moves_group: "dist.ProcessGroup | None" = None,
     ) -> None:
+        """ep_group / ep_size: the expert-parallel pool (None, 1: this engine alone);
+        placement / moves_group: the pool's placement and the group that moves expert weights
+        (live load balancing)."""
         path = resolve_model_path(config.model)
         self.config = config
         self.ep_group, self.ep_size = ep_group, ep_size
@@ -74,6 +82,12 @@ class LLMEngine:
         self.reservations = Reservations(  # decode
             self.block_manager, self.runner.kv_caches, self.stats
         )
+        self.balancer: Balancer | None = None
+        if ep_size > 1 and placement is not None:
+            rank = dist.get_rank(ep_group) if dist.is_initialized() else 0
+            self.balancer = Balancer(
+                self.model, placement, ep_group, moves_group, rank, config, self.stats
+            )
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode), lifetime
@@ -203,11 +217,16 @@ class LLMEngine:
             return result
         num_tokens = sum(batch.num_new_tokens)
         # NOTE: every rank of the pool reaches this all-reduce once per step, work or not.
-        flags = torch.tensor([num_tokens, self.scheduler.num_unfinished], device=self.config.device)
+        balance = self.balancer.flags() if self.balancer is not None else [0, 0]
+        flags = torch.tensor(
+            [num_tokens, self.scheduler.num_unfinished, *balance], device=self.config.device
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ep_group)
-        max_tokens, max_unfinished = flags.tolist()
+        max_tokens, max_unfinished, rebalance, moving = flags.tolist()
         self.pool_has_unfinished = max_unfinished > 0
         self.last_step_tokens = max_tokens
+        if self.balancer is not None:  # a plan or a switch: the same step on every rank
+            self.balancer.on_agreement(bool(rebalance), bool(moving))
         if max_tokens == 0:
             return StepResult()
         mode = self.config.two_batch_overlap
@@ -308,6 +327,7 @@ class LLMEngine:
                 for layer, m in zip(self.model.config.moe_layers, self.model.moe_layers())
             },
             max_model_len=self.max_model_len,
+            rebalance=dataclasses.replace(self.balancer.last) if self.balancer else None,
         )
 
     def expert_load(self) -> dict[int, tuple[list[int], list[int]]]:

@@ -144,6 +144,22 @@ class StepResult:
 
 
 @dataclass(slots=True)
+class RebalanceStatus:
+    """A pool rank's expert load balancing: the last rebalance, and whether one is under way."""
+
+    number: int = 0  # rebalances planned so far (applied or skipped)
+    outcome: str = ""  # of the last: "applied" | "skipped" | "" (none yet)
+    moving: bool = False  # the last one's weights are still moving (not all layers switched)
+    balancedness_before: float = 1.0  # mean / max rank load on the load window, layers' mean
+    balancedness_after: float = 1.0  # predicted for the placement chosen
+    slots_moved: int = 0
+    layers_moved: int = 0
+    duration_s: float = 0.0  # from the plan to the last switch
+    longest_pause_s: float = 0.0  # the longest part that held a step (the plan, a switch)
+    from_checkpoint: int = 0  # experts read from the checkpoint after a failed transfer
+
+
+@dataclass(slots=True)
 class RankStatus:
     pool: str  # "prefill" | "decode" | "local"
     rank: int
@@ -161,6 +177,7 @@ class RankStatus:
     stalled_s: float = 0.0  # seconds with work and no progress on the engine thread (hung?)
     num_pending: int = 0  # calls the rank's server side is waiting on (prefills, owners)
     metrics_endpoint: str = ""  # host:port of the rank's Prometheus /metrics
+    rebalance: RebalanceStatus | None = None  # expert-parallel ranks only
 
     @property
     def kv_usage(self) -> float:

@@ -25,6 +25,7 @@ from engine.loop import EngineLoop
 from engine.messages import RankStatus, StepResult
 from engine.metrics_server import MetricsServer, serve_metrics
 from engine.rank_metrics import RankCollector
+from moe.placement import Placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,7 @@ class RankConfig:
     kv_world: int = 1
     kv_timeout_s: float = 30.0  # a p2p KV transfer (and its turn) before it counts as failed
     metrics_port: int | None = 0  # the first port /metrics tries (0: any free; None: off)
+    placement: dict | None = None  # the expert placement to start with (Placement.to_dict)
 
     def __post_init__(self) -> None:
         if self.pool not in ("prefill", "decode"):
@@ -134,7 +136,8 @@ class Rank(abc.ABC):
         if self.transport is None:
             p2p = c.kv_transport == "p2p"
             self.transport = self._p2p_transport(kv_rdzv) if p2p else ObjectStoreTransport()
-        self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks)
+        placement = Placement.from_dict(c.placement) if c.placement else None
+        self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks, placement)
         self.loop = EngineLoop(
             self.engine, self._step_from_engine_thread, on_stop=self._stopped_on_engine_thread
         ).start()
@@ -191,6 +194,17 @@ class Rank(abc.ABC):
             ("epcluster_kv_cache_blocks", ("cached",)): bm.num_cached_blocks,
             ("epcluster_kv_cache_blocks", ("reserved",)): e.reservations.num_blocks,
             ("epcluster_engine_stalled_seconds", ()): loop.stalled_s() if loop else 0.0,
+            **self._balance_gauges(),
+        }
+
+    def _balance_gauges(self) -> dict[tuple[str, tuple[str, ...]], float]:
+        balancer = self.engine.balancer
+        if balancer is None:
+            return {}
+        mean, worst = balancer.balancedness
+        return {
+            ("epcluster_eplb_balancedness_ratio", ("mean",)): mean,
+            ("epcluster_eplb_balancedness_ratio", ("worst",)): worst,
         }
 
     # ---- calls from the asyncio side ----
@@ -203,6 +217,14 @@ class Rank(abc.ABC):
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort_request(request_id))
+
+    def request_rebalance(self) -> bool:
+        """Ask the pool for an expert rebalance at its next agreed step; False when this pool
+        has one rank (nothing to balance)."""
+        if self.engine is None or self.engine.balancer is None:
+            return False
+        self.engine.balancer.request()
+        return True
 
     async def expert_load(self) -> dict[int, tuple[list[int], list[int]]]:
         """MoE layer -> (tokens this rank routed to each physical slot, slot experts)."""

@@ -188,3 +188,26 @@ def _copy_expert(experts, slot: int, proj: str, weight: torch.Tensor, inter: int
         experts.w13.data[slot, inter:].copy_(weight)
     else:
         experts.w2.data[slot].copy_(weight)
+
+
+def read_expert(
+    path: str | Path,
+    layer: int,
+    expert: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One routed expert's weights from the checkpoint -> (w13 [2I, D]: gate rows then up rows,
+    w2 [D, I]), as Experts stores them (a re-placement's fallback when a transfer fails)."""
+    reader = CheckpointReader(resolve_model_path(path))
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if f"{prefix}.gate_up_proj" in reader.weight_map:
+        w13 = reader.get_row(f"{prefix}.gate_up_proj", expert)
+        w2 = reader.get_row(f"{prefix}.down_proj", expert)
+    else:
+        gate, up, w2 = (
+            reader.get(f"{prefix}.{expert}.{proj}.weight")
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        )
+        w13 = torch.cat([gate, up])
+    return w13.to(device=device, dtype=dtype), w2.to(device=device, dtype=dtype)

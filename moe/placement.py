@@ -78,6 +78,27 @@ class Placement:
             num_experts = int(phy2log.max()) + 1
         return Placement(tuple(layers), phy2log, num_ranks, num_experts)
 
+    def to_dict(self) -> dict:
+        return {
+            "layers": list(self.layers),
+            "num_ranks": self.num_ranks,
+            "num_experts": self.num_experts,
+            "phy2log": self.phy2log.tolist(),
+        }
+
+    @staticmethod
+    def from_dict(data: dict) -> "Placement":
+        """From to_dict's form (a placement file); ValueError says what is wrong."""
+        try:
+            phy2log = torch.tensor(data["phy2log"], dtype=torch.int64)
+            return Placement(
+                tuple(data["layers"]), phy2log, int(data["num_ranks"]), int(data["num_experts"])
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(
+                f"not a placement (layers, num_ranks, num_experts, phy2log): {e}"
+            ) from None
+
     def to(self, device: torch.device | str) -> "Placement":
         """The same placement with its tensors on `device`."""
         return Placement(self.layers, self.phy2log.to(device), self.num_ranks, self.num_experts)

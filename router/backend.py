@@ -8,7 +8,14 @@ before calling `generate`; a backend never sees a request the router has refused
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine.messages import ClusterStatus, GenerateRequest, ModelInfo, PoolLoad, RequestOutput
+from engine.messages import (
+    ClusterStatus,
+    GenerateRequest,
+    ModelInfo,
+    PoolLoad,
+    RebalanceStatus,
+    RequestOutput,
+)
 from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
 
@@ -61,6 +68,11 @@ class Backend(Protocol):
 
     async def expert_load(self) -> list[PoolLoad]:
         """Each pool's tokens per expert slot and MoE layer (a few RPCs: not per request)."""
+        ...
+
+    async def rebalance(self, pool: str | None = None) -> list[tuple[str, RebalanceStatus]]:
+        """Re-place the experts of a pool (None: all) now and return each pool's outcome;
+        ValueError when a pool has nothing to balance."""
         ...
 
     async def status(self) -> ClusterStatus:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.messages import ClusterStatus, ModelInfo, PoolLoad, RequestOutput
+from engine.messages import ClusterStatus, ModelInfo, PoolLoad, RebalanceStatus, RequestOutput
 from engine.sampling_params import SamplingParams
 from router import convert
 from router.proto import epcluster_pb2 as pb
@@ -85,6 +85,14 @@ class InferenceClient:
     def expert_load(self) -> list[PoolLoad]:
         msg = self.stub.GetExpertLoad(pb.GetExpertLoadRequest(), timeout=self.timeout)
         return convert.expert_load_from_proto(msg)
+
+    def rebalance(
+        self, pool: str | None = None, timeout: float | None = None
+    ) -> list[tuple[str, RebalanceStatus]]:
+        """Re-place the experts of `pool` (None: both) now; -> each pool's outcome."""
+        request = pb.RebalanceRequest(pool=pool) if pool else pb.RebalanceRequest()
+        msg = self.stub.Rebalance(request, timeout=timeout or self.timeout)
+        return convert.rebalance_response_from_proto(msg)
 
     def health(self, service: str = "") -> str:
         """The service's status name: SERVING, NOT_SERVING, ... (service "" is the whole

@@ -35,6 +35,7 @@ from engine.messages import (
     PoolLoad,
     PoolStatus,
     RankStatus,
+    RebalanceStatus,
     RequestOutput,
     Resume,
 )
@@ -89,6 +90,7 @@ class RoutingConfig:
     prefill_max_imbalance: int = 4096  # queued prompt tokens before affinity gives way to load
     affinity_blocks: int = 1  # prompt blocks whose hash picks the preferred prefill rank
     kv_p2p: bool = False  # KV goes point to point: a failed transfer falls back to objects
+    eplb_interval_s: float = 0.0  # rebalance the experts of both pools this often (0: never)
 
     def __post_init__(self) -> None:
         for name in ("kv_lease_s", "reserve_wait_s", "recovery_wait_s"):
@@ -150,6 +152,7 @@ class ClusterBackend:
             health or HealthConfig(),
             self._on_pool_failed,
             self._on_pool_reformed,
+            model_info.num_routed_experts,
         )
         self.metrics = metrics
         self.router_id = uuid.uuid4().hex
@@ -161,6 +164,7 @@ class ClusterBackend:
         self._pending_poll = -1  # the status poll _decode_pending counts from
         self._readers: list[asyncio.Task] = []
         self._renewer: asyncio.Task | None = None
+        self._periodic: asyncio.Task | None = None
         self._kv_rebuild: asyncio.Task | None = None
         self.num_kv_fallbacks = 0  # requests resumed through the object store after a p2p error
         self.num_kv_rebuilds = 0
@@ -174,10 +178,12 @@ class ClusterBackend:
         await self._open_streams()
         await self.pools.start()
         self._renewer = asyncio.create_task(self._renew_forever())
+        if self.routing.eplb_interval_s > 0:
+            self._periodic = asyncio.create_task(self._rebalance_forever())
         self._started = True
 
     async def close(self) -> None:
-        for task in [*self._readers, self._renewer]:
+        for task in [*self._readers, self._renewer, self._periodic]:
             if task is not None:
                 task.cancel()
         await self.pools.close()
@@ -213,6 +219,43 @@ class ClusterBackend:
             ]
             pools.append(PoolStatus(name, ranks))
         return ClusterStatus(pools, num_in_flight=len(self._by_client))
+
+    async def rebalance(
+        self, pool: str | None = None, timeout_s: float = 300.0
+    ) -> list[tuple[str, RebalanceStatus]]:
+        """Re-place the experts of `pool` (None: both) from their measured load, and wait for
+        the outcome (each pool's rank 0 reports the pool's plan). ValueError for a pool of one
+        rank (nothing to balance)."""
+        results = []
+        for name in [pool] if pool else ["prefill", "decode"]:
+            ranks = self.pools[name].ranks
+            before = (await ranks[0].status()).rebalance
+            if before is None:
+                raise ValueError(f"the {name} pool has one rank: there is nothing to balance")
+            await asyncio.gather(*(r.request_rebalance() for r in ranks))
+            end = time.monotonic() + timeout_s
+            while True:
+                now = (await ranks[0].status()).rebalance
+                if now is not None and now.number > before.number and not now.moving:
+                    break
+                if time.monotonic() > end:
+                    raise Unavailable(f"the {name} pool's rebalance did not end in {timeout_s} s")
+                await asyncio.sleep(0.05)
+            results.append((name, now))
+        return results
+
+    async def _rebalance_forever(self) -> None:
+        """Every eplb_interval_s, a rebalance of each pool (skipped by the ranks when the gain
+        is too small)."""
+        while True:
+            await asyncio.sleep(self.routing.eplb_interval_s)
+            if not self.pools.ready():
+                continue
+            try:
+                for name, status in await self.rebalance():
+                    log.info("periodic rebalance of %s: %s", name, status)
+            except Exception:
+                log.exception("periodic rebalance failed")
 
     async def expert_load(self) -> list[PoolLoad]:
         """Each pool's load: the tokens its ranks routed to every physical slot, summed."""

@@ -17,6 +17,7 @@ from engine.messages import (
     PoolLoad,
     PoolStatus,
     RankStatus,
+    RebalanceStatus,
     RequestOutput,
     TokenLogprobs,
 )
@@ -262,6 +263,7 @@ def cluster_status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
                 stalled_s=r.stalled_s,
                 num_pending=r.num_pending,
                 metrics_endpoint=r.metrics_endpoint,
+                rebalance=rebalance_to_proto(r.rebalance) if r.rebalance else None,
             )
         layers = [layer for r in pool.ranks for layer in r.expert_ids]
         if not layers:
@@ -299,6 +301,9 @@ def cluster_status_from_proto(msg: pb.ClusterStatus) -> ClusterStatus:
                     stalled_s=r.stalled_s,
                     num_pending=r.num_pending,
                     metrics_endpoint=r.metrics_endpoint,
+                    rebalance=(
+                        rebalance_from_proto(r.rebalance) if r.HasField("rebalance") else None
+                    ),
                 )
                 for r in pool.ranks
             ],
@@ -337,3 +342,38 @@ def expert_load_from_proto(msg: pb.ExpertLoad) -> list[PoolLoad]:
         )
         for p in msg.pools
     ]
+
+
+# ---- expert rebalancing ----
+
+_REBALANCE_FIELDS = (
+    "number",
+    "outcome",
+    "moving",
+    "balancedness_before",
+    "balancedness_after",
+    "slots_moved",
+    "layers_moved",
+    "duration_s",
+    "longest_pause_s",
+    "from_checkpoint",
+)
+
+
+def rebalance_to_proto(status: RebalanceStatus) -> pb.RebalanceStatus:
+    return pb.RebalanceStatus(**{f: getattr(status, f) for f in _REBALANCE_FIELDS})
+
+
+def rebalance_from_proto(msg: pb.RebalanceStatus) -> RebalanceStatus:
+    return RebalanceStatus(**{f: getattr(msg, f) for f in _REBALANCE_FIELDS})
+
+
+def rebalance_response_to_proto(results: list[tuple[str, RebalanceStatus]]) -> pb.RebalanceResponse:
+    msg = pb.RebalanceResponse()
+    for pool, status in results:
+        msg.pools.add(pool=pool, status=rebalance_to_proto(status))
+    return msg
+
+
+def rebalance_response_from_proto(msg: pb.RebalanceResponse) -> list[tuple[str, RebalanceStatus]]:
+    return [(p.pool, rebalance_from_proto(p.status)) for p in msg.pools]

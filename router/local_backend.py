@@ -111,6 +111,9 @@ class LocalBackend:
             return self._status()
         return await self.call(lambda _: self._status())
 
+    async def rebalance(self, pool: str | None = None) -> list:
+        raise ValueError("one engine holds every expert: there is nothing to balance")
+
     async def expert_load(self) -> list[PoolLoad]:
         num_experts = self._model_info.num_routed_experts
         return [PoolLoad("local", 1, num_experts, await self.call(lambda e: e.expert_load()))]

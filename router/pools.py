@@ -35,9 +35,10 @@ class RankFailed(RuntimeError):
 
 
 class PoolControl(Protocol):
-    async def reform(self, pool: str) -> list[Any]:
+    async def reform(self, pool: str, placement: dict | None) -> list[Any]:
         """Replace every rank of `pool` (new processes, a new process group, the experts of
-        the current placement loaded); -> the new rank handles, ready."""
+        `placement` (Placement.to_dict: the pool's last known) loaded); -> the new rank
+        handles, ready."""
         ...
 
     async def rebuild_kv(self) -> None:
@@ -78,14 +79,17 @@ class Pools:
         health: HealthConfig,
         on_failed: Callable[[str, int], None],
         on_reformed: Callable[[str], Awaitable[None]],
+        num_experts: int = 0,
     ) -> None:
         """on_failed(pool, old generation) runs when a pool fails; on_reformed(pool) once its
         new ranks answer, before the pool is marked ready."""
         self.pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
         self.control, self.health = control, health
         self.on_failed, self.on_reformed = on_failed, on_reformed
+        self.num_experts = num_experts
         self.status: dict[tuple[str, int], RankStatus] = {}
         self.num_polls = 0  # completed status polls: fresher statuses than any count before
+        self.placements: dict[str, dict] = {}  # pool -> its last known expert placement
         self._misses: dict[tuple[str, int], int] = {}
         self._poller: asyncio.Task | None = None
 
@@ -143,7 +147,23 @@ class Pools:
         results = await asyncio.gather(*(r.status() for _, _, r in ranks), return_exceptions=True)
         for (name, i, _), result in zip(ranks, results, strict=True):
             self._judge(name, i, result)
+        for name, pool in self.pools.items():
+            if pool.reforming is None:
+                self._note_placement(name, len(pool.ranks))
         self.num_polls += 1
+
+    def _note_placement(self, name: str, num_ranks: int) -> None:
+        """The pool's placement from its ranks' statuses (each lists its slots' experts)."""
+        ranks = [self.status.get((name, i)) for i in range(num_ranks)]
+        if num_ranks < 2 or any(r is None or not r.expert_ids for r in ranks):
+            return
+        layers = sorted(ranks[0].expert_ids)
+        self.placements[name] = {
+            "layers": layers,
+            "num_ranks": num_ranks,
+            "num_experts": self.num_experts,
+            "phy2log": [sum((r.expert_ids[layer] for r in ranks), []) for layer in layers],
+        }
 
     def _judge(self, name: str, i: int, result: RankStatus | BaseException) -> None:
         key = (name, i)
@@ -195,7 +215,8 @@ class Pools:
             return  # stays not ready: health says NOT_SERVING
         while True:
             try:
-                pool.ranks = await self.control.reform(pool.name)
+                placement = self.placements.get(pool.name)
+                pool.ranks = await self.control.reform(pool.name, placement)
                 break
             except asyncio.CancelledError:
                 raise

@@ -183,6 +183,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         await _reject_unknown_fields(request, context)
         return convert.expert_load_to_proto(await self.backend.expert_load())
 
+    async def Rebalance(
+        self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RebalanceResponse:
+        await _reject_unknown_fields(request, context)
+        pool = request.pool if request.HasField("pool") else None
+        if pool not in (None, "prefill", "decode"):
+            await context.abort(_INVALID, f"pool must be prefill or decode, got {pool!r}")
+        try:
+            results = await self.backend.rebalance(pool)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Unavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return convert.rebalance_response_to_proto(results)
+
     async def GetClusterStatus(
         self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClusterStatus:

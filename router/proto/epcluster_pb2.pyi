@@ -139,7 +139,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "ready", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "kv_cached_blocks", "kv_usage", "num_reserved", "block_size", "max_model_len", "num_steps", "stalled_s", "num_pending", "metrics_endpoint")
+    __slots__ = ("rank", "ready", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "kv_cached_blocks", "kv_usage", "num_reserved", "block_size", "max_model_len", "num_steps", "stalled_s", "num_pending", "metrics_endpoint", "rebalance")
     RANK_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class RankStatus(_message.Message):
     STALLED_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_FIELD_NUMBER: _ClassVar[int]
     METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REBALANCE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     ready: bool
     num_running: int
@@ -170,7 +171,52 @@ class RankStatus(_message.Message):
     stalled_s: float
     num_pending: int
     metrics_endpoint: str
-    def __init__(self, rank: _Optional[int] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., stalled_s: _Optional[float] = ..., num_pending: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ...) -> None: ...
+    rebalance: RebalanceStatus
+    def __init__(self, rank: _Optional[int] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., stalled_s: _Optional[float] = ..., num_pending: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., rebalance: _Optional[_Union[RebalanceStatus, _Mapping]] = ...) -> None: ...
+
+class RebalanceStatus(_message.Message):
+    __slots__ = ("number", "outcome", "moving", "balancedness_before", "balancedness_after", "slots_moved", "layers_moved", "duration_s", "longest_pause_s", "from_checkpoint")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MOVING_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    FROM_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    outcome: str
+    moving: bool
+    balancedness_before: float
+    balancedness_after: float
+    slots_moved: int
+    layers_moved: int
+    duration_s: float
+    longest_pause_s: float
+    from_checkpoint: int
+    def __init__(self, number: _Optional[int] = ..., outcome: _Optional[str] = ..., moving: _Optional[bool] = ..., balancedness_before: _Optional[float] = ..., balancedness_after: _Optional[float] = ..., slots_moved: _Optional[int] = ..., layers_moved: _Optional[int] = ..., duration_s: _Optional[float] = ..., longest_pause_s: _Optional[float] = ..., from_checkpoint: _Optional[int] = ...) -> None: ...
+
+class RebalanceRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class PoolRebalance(_message.Message):
+    __slots__ = ("pool", "status")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    status: RebalanceStatus
+    def __init__(self, pool: _Optional[str] = ..., status: _Optional[_Union[RebalanceStatus, _Mapping]] = ...) -> None: ...
+
+class RebalanceResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolRebalance]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolRebalance, _Mapping]]] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("name", "ranks")

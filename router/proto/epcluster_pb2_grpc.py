@@ -54,6 +54,11 @@ class InferenceStub:
                 request_serializer=router_dot_proto_dot_epcluster__pb2.GetExpertLoadRequest.SerializeToString,
                 response_deserializer=router_dot_proto_dot_epcluster__pb2.ExpertLoad.FromString,
                 _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/epcluster.v1.Inference/Rebalance',
+                request_serializer=router_dot_proto_dot_epcluster__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=router_dot_proto_dot_epcluster__pb2.RebalanceResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -89,6 +94,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rebalance(self, request, context):
+        """Re-place the experts of a pool (or both) from their measured load, now, and wait for the
+        outcome (skipped when the predicted gain is too small). In-flight requests are unaffected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetExpertLoad,
                     request_deserializer=router_dot_proto_dot_epcluster__pb2.GetExpertLoadRequest.FromString,
                     response_serializer=router_dot_proto_dot_epcluster__pb2.ExpertLoad.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=router_dot_proto_dot_epcluster__pb2.RebalanceRequest.FromString,
+                    response_serializer=router_dot_proto_dot_epcluster__pb2.RebalanceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class Inference:
             '/epcluster.v1.Inference/GetExpertLoad',
             router_dot_proto_dot_epcluster__pb2.GetExpertLoadRequest.SerializeToString,
             router_dot_proto_dot_epcluster__pb2.ExpertLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epcluster.v1.Inference/Rebalance',
+            router_dot_proto_dot_epcluster__pb2.RebalanceRequest.SerializeToString,
+            router_dot_proto_dot_epcluster__pb2.RebalanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

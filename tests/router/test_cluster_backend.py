@@ -169,7 +169,7 @@ class FakeControl:
     async def rebuild_kv(self) -> None:
         self.kv_rebuilds += 1
 
-    async def reform(self, pool: str):
+    async def reform(self, pool: str, placement=None):
         self.calls.append(pool)
         await asyncio.sleep(self.delay)
         while self.hang:

@@ -433,6 +433,7 @@ def test_reflection_lists_the_services(server):
             "GetModelInfo",
             "GetClusterStatus",
             "GetExpertLoad",
+            "Rebalance",
         }
         assert inference.methods_by_name["Generate"].server_streaming
 
@@ -492,3 +493,13 @@ def test_sync_and_async_code_can_share_a_server(server):
     t.start()
     t.join(20)
     assert results == ["SERVING", 2]
+
+
+def test_rebalance_on_one_engine_is_a_failed_precondition(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.rebalance()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "nothing to balance" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.Rebalance(pb.RebalanceRequest(pool="middle"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
