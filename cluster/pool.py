@@ -52,7 +52,7 @@ class Pool:
         if config.gpus_per_rank:
             bundle["GPU"] = config.gpus_per_rank
         self.placement_group = placement_group(
-            [bundle] * self.num_ranks, strategy="PACK", name=f"epcluster-{name}"
+            [bundle] * self.num_ranks, strategy="PACK", name=f"epcluster-{cluster_id}-{name}"
         )
         self.actors = self._create_actors()
 
@@ -68,7 +68,7 @@ class Pool:
                 num_cpus=c.cpus_per_rank,
                 num_gpus=c.gpus_per_rank,
                 resources=getattr(c, self.name).resources,
-                name=f"epcluster-{self.name}-{r}{suffix}",
+                name=f"epcluster-{self.cluster_id}-{self.name}-{r}{suffix}",
                 max_concurrency=1000,
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
