@@ -128,7 +128,7 @@ class ClusterConfig:
     eplb_interval_s: float = 0.0  # rebalance both pools' experts this often (0: on demand only)
     eplb_min_gain: float = 0.05  # skip a rebalance that lowers the max rank load by less
     eplb_max_moves: int = 0  # slots per layer one rebalance may change (0: any)
-    eplb_layers_per_round: int = 0  # layers switched per step (0: all at once)
+    eplb_layers_per_round: int = 1  # layers moved and switched per round (0: all at once)
     eplb_decay: float = 0.5  # share of the previous load window kept at each rebalance
     start_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the rank actors

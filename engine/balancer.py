@@ -7,8 +7,9 @@ per step). A rebalance is requested on any rank (`request`); the step's agreemen
 carries the request, so every rank of the pool plans at the same step:
 1. the pool sums its counts (all-reduce [L, S]) into a load window per logical expert (earlier
    windows decay by `eplb_decay`);
-2. rank 0 chooses the new placement (moe.eplb, under a budget of moved slots when set) and
-   broadcasts it, or a skip when the predicted gain is under `eplb_min_gain`;
+2. rank 0 chooses the new placement (moe.eplb, under a budget of moved slots when set) on a
+   thread of its own while the pool keeps stepping, and broadcasts it (or a skip, when the
+   predicted gain is under `eplb_min_gain`) at the first step the agreement shows it is done;
 3. every rank starts moving the weights of its new slots (moe/replacement.py) into fresh
    tensors on the pool's moves group while the old weights keep serving;
 4. once the agreement shows every rank has its weights, all ranks switch a round of layers at the
@@ -63,7 +64,10 @@ class Balancer:
         self._rounds: list[list[int]] = []  # layer positions still to switch
         self._moves: list[tuple[int, LayerMove]] = []  # the round in flight
         self._new: Placement | None = None
-        self._started = 0.0
+        self._deciding: threading.Thread | None = None  # rank 0's placement search
+        self._weight: torch.Tensor | None = None  # [L, E] the load window it works from
+        self._decision: torch.Tensor | None = None
+        self._started = self._plan_pause = 0.0
 
     # ---- from any thread ----
 
@@ -74,23 +78,31 @@ class Balancer:
     # ---- on the engine thread, every step of the pool ----
 
     def flags(self) -> list[int]:
-        """What this rank adds to the step's agreement: a request, and weights still moving."""
-        moving = bool(self._moves) and not all(m.done() for _, m in self._moves)
-        return [int(self._requested.is_set()), int(moving)]
+        """What this rank adds to the step's agreement: a request, and busy (its placement
+        search, or its weights of the round, not done yet)."""
+        busy = (self._deciding is not None and self._deciding.is_alive()) or (
+            bool(self._moves) and not all(m.done() for _, m in self._moves)
+        )
+        return [int(self._requested.is_set()), int(busy)]
 
     @torch.inference_mode()  # the weights are inference tensors (moe.loader): so are new ones
-    def on_agreement(self, requested: bool, moving: bool) -> None:
+    def on_agreement(self, requested: bool, busy: bool) -> None:
         """After the agreement all-reduce (the same step on every rank of the pool)."""
-        if self._moves:
-            if not moving:  # every rank has this round's weights: switch them together
-                self._switch()
+        if busy:
+            return
+        if self._moves:  # every rank has this round's weights: switch them together
+            self._switch()
+        elif self._weight is not None:  # rank 0's decision is ready: share it, start moving
+            self._start()
         elif requested:
             self._plan()
 
     # ---- the plan (collective) ----
 
     def _plan(self) -> None:
+        """Sum the pool's load (a collective); rank 0 starts its search on a thread."""
         started = time.perf_counter()
+        self._started = started
         self._requested.clear()
         c, p = self.config, self.placement
         loads = torch.stack(  # [L, S] tokens this rank routed to each slot since the last plan
@@ -107,10 +119,23 @@ class Balancer:
         weight = self.window.clone()  # [L, E]
         weight.scatter_add_(1, p.phy2log, loads.cpu().float())
         self.window = c.eplb_decay * weight
-        decision = torch.zeros(1 + p.num_layers * p.num_slots, dtype=torch.int64)
+        self._weight = weight
+        self._decision = torch.zeros(1 + p.num_layers * p.num_slots, dtype=torch.int64)
         if self.rank == 0:
-            decision = self._decide(weight)
-        decision = decision.to(c.device)
+
+            def decide() -> None:
+                self._decision = self._decide(weight)
+
+            self._deciding = threading.Thread(target=decide, name="eplb-decide", daemon=True)
+            self._deciding.start()
+        self._plan_pause = time.perf_counter() - started
+
+    def _start(self) -> None:
+        """Rank 0's decision to every rank (a collective), then this round's weights moving."""
+        started = time.perf_counter()
+        c, p, weight = self.config, self.placement, self._weight
+        self._weight = self._deciding = None
+        decision = self._decision.to(c.device)
         dist.broadcast(decision, src=0, group=self.group)
         decision = decision.cpu()
         before = _balancedness(weight, p.phy2log, p.num_ranks)
@@ -135,9 +160,8 @@ class Balancer:
         self.last.layers_moved = len(changed)
         per_round = c.eplb_layers_per_round or len(changed) or 1
         self._rounds = [changed[i : i + per_round] for i in range(0, len(changed), per_round)]
-        self._started = started
         self._start_round()
-        self.last.longest_pause_s = time.perf_counter() - started
+        self.last.longest_pause_s = max(self._plan_pause, time.perf_counter() - started)
         if not self._moves:  # nothing to move after all
             self._finish()
 

@@ -28,7 +28,7 @@ class EngineConfig:
     # Live expert load balancing (engine/balancer.py), in expert-parallel pools:
     eplb_min_gain: float = 0.05  # skip a rebalance that lowers the max rank load by less
     eplb_max_moves: int = 0  # slots per layer one rebalance may change (0: any)
-    eplb_layers_per_round: int = 0  # layers switched per step (0: all at once)
+    eplb_layers_per_round: int = 1  # layers moved and switched per round (0: all at once)
     eplb_decay: float = 0.5  # the share of the old load window kept at each rebalance
 
     def __post_init__(self) -> None:

@@ -222,11 +222,11 @@ class LLMEngine:
             [num_tokens, self.scheduler.num_unfinished, *balance], device=self.config.device
         )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ep_group)
-        max_tokens, max_unfinished, rebalance, moving = flags.tolist()
+        max_tokens, max_unfinished, rebalance, busy = flags.tolist()
         self.pool_has_unfinished = max_unfinished > 0
         self.last_step_tokens = max_tokens
         if self.balancer is not None:  # a plan or a switch: the same step on every rank
-            self.balancer.on_agreement(bool(rebalance), bool(moving))
+            self.balancer.on_agreement(bool(rebalance), bool(busy))
         if max_tokens == 0:
             return StepResult()
         mode = self.config.two_batch_overlap

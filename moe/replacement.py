@@ -75,10 +75,8 @@ class LayerMove:
         transfers = plan_layer(old, new, num_ranks)
         self._recvs: list[tuple[int, int, list[dist.Work]]] = []  # (local slot, expert, works)
         self._sends: list[dist.Work] = []
-        for s in mine:  # local copies first: nothing to wait for
-            if new[s] in local_slot:
-                self.w13[s - mine.start].copy_(experts.w13[local_slot[new[s]]])
-                self.w2[s - mine.start].copy_(experts.w2[local_slot[new[s]]])
+        # local copies: on the waiter thread, off the step
+        self._copies = [(s - mine.start, local_slot[new[s]]) for s in mine if new[s] in local_slot]
         tag = layer_pos * len(new)
         for t in transfers:  # posted in the plan's order on every rank: tags match them up
             if t.dst == rank:
@@ -100,6 +98,10 @@ class LayerMove:
         threading.Thread(target=self._wait_all, name="expert-moves", daemon=True).start()
 
     def _wait_all(self) -> None:
+        with torch.inference_mode():  # like the weights they copy (moe.loader)
+            for i, j in self._copies:
+                self.w13[i].copy_(self.moe.experts.w13[j])
+                self.w2[i].copy_(self.moe.experts.w2[j])
         for i, expert, works in self._recvs:
             try:
                 for w in works:
