@@ -10,8 +10,9 @@ rank half a second after the requests went out (long prompts then still queue on
 stream of the run with the kill must equal the baseline, token for token (the resumed requests
 re-prefill prompt + what they had received; sampling depends on (seed, position)).
 Reported: kill -> health SERVING (as a client polling every 50 ms sees it), the router's own
-failure -> ready time, the longest gap between two tokens of a stream in each run (the pause a
-client saw), and each run's wall time.
+failure -> ready time, the longest gap between two tokens of a stream and the time to the first
+token in each run (the pause a client saw: a decode kill shows in the gaps, a prefill kill in the
+first token), and each run's wall time.
 """
 
 import argparse
@@ -45,7 +46,7 @@ async def stream_all(address: str, requests, fault=None, at_tokens: int = 0):
 
     async def one(client, i, prompt, n):
         params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=i)
-        tokens, times = [], []
+        tokens, times = [], [time.monotonic()]  # times[0]: sent
         async for msg in client.generate(prompt, params):
             now = time.monotonic()
             tokens += msg.token_ids
@@ -82,7 +83,12 @@ def watch_serving(address: str, since: list, result: dict, stop: threading.Event
 
 
 def max_gap(times: list[float]) -> float:
-    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+    """The longest wait between two tokens of a stream (times[0] is when it was sent)."""
+    return max((b - a for a, b in zip(times[1:], times[2:])), default=0.0)
+
+
+def ttft(times: list[float]) -> float:
+    return times[1] - times[0]
 
 
 def main() -> None:
@@ -134,6 +140,8 @@ def main() -> None:
     assert exact, "a resumed stream differs from the undisturbed run"
     base_gaps = [max_gap(t) for _, t in base]
     hit_gaps = [max_gap(t) for _, t in hit]
+    base_ttft = [ttft(t) for _, t in base]
+    hit_ttft = [ttft(t) for _, t in hit]
     result = {
         "model": args.model,
         "pool_killed": args.pool,
@@ -150,6 +158,12 @@ def main() -> None:
             "undisturbed_max": round(max(base_gaps), 3),
             "with_kill_median": round(statistics.median(hit_gaps), 3),
             "with_kill_max": round(max(hit_gaps), 3),
+        },
+        "time_to_first_token_s": {
+            "undisturbed_median": round(statistics.median(base_ttft), 3),
+            "undisturbed_max": round(max(base_ttft), 3),
+            "with_kill_median": round(statistics.median(hit_ttft), 3),
+            "with_kill_max": round(max(hit_ttft), 3),
         },
     }
     for key, value in result.items():
