@@ -27,7 +27,13 @@ def run_cluster(model: str, requests, prefill: int, decode: int) -> tuple[float,
     from router.client import AsyncInferenceClient
 
     config = ClusterConfig.load(
-        None, model=model, port=0, prefill_ranks=prefill, decode_ranks=decode
+        None,
+        model=model,
+        port=0,
+        metrics_port=0,
+        rank_metrics_port=0,
+        prefill_ranks=prefill,
+        decode_ranks=decode,
     )
     with Cluster(config) as cluster:
 

@@ -111,7 +111,14 @@ class Cluster:
             self.metrics.child("epcluster_pool_ready", pool).set_function(
                 lambda pool=pool: backend.pool_ready(pool)
             )
-        self.metrics_server = MetricsServer(self.metrics.registry, c.host, c.metrics_port)
+        try:
+            self.metrics_server = MetricsServer(self.metrics.registry, c.host, c.metrics_port)
+        except OSError as e:
+            raise ValueError(
+                f"metrics_port {c.metrics_port} on {c.host} is taken ({e.strerror}; another "
+                "epcluster?): set metrics_port (--metrics-port) to a free port, 0 for any, or "
+                "null to serve no /metrics"
+            ) from e
         router = {"pool": "router", "model_name": c.model}
         self.metrics_server.routes["/sd/targets"] = lambda: [
             {"targets": [self.metrics_server.endpoint], "labels": router},

@@ -226,6 +226,21 @@ class PoolLoad:
             ]
         return out
 
+    def balancedness(self) -> float:
+        """Mean over MoE layers of (mean rank load / max rank load): 1.0 is perfectly even."""
+        ratios = [sum(r) / len(r) / max(r) for r in self.rank_tokens().values() if max(r)]
+        return sum(ratios) / len(ratios) if ratios else 1.0
+
+    def since(self, before: "PoolLoad") -> "PoolLoad":
+        """The counts added after `before`, a dump of the same placement."""
+        layers = {}
+        for layer, (tokens, experts) in self.layers.items():
+            old_tokens, old_experts = before.layers[layer]
+            if experts != old_experts:
+                raise ValueError(f"layer {layer}: the placement changed between the two dumps")
+            layers[layer] = ([a - b for a, b in zip(tokens, old_tokens, strict=True)], experts)
+        return PoolLoad(self.pool, self.num_ranks, self.num_experts, layers)
+
     def expert_tokens(self) -> dict[int, list[int]]:
         """Model layer -> tokens routed to each logical expert [E] (its replicas summed)."""
         out = {}

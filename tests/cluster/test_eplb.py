@@ -24,27 +24,11 @@ def english(n: int, offset: int = 0) -> list[str]:
 
 
 def balancedness(pools) -> dict[str, float]:
-    """Measured: mean over MoE layers of mean rank load / max rank load."""
-    out = {}
-    for pool in pools:
-        ratios = [
-            (sum(row) / len(row)) / max(row) for row in pool.rank_tokens().values() if max(row)
-        ]
-        out[pool.pool] = sum(ratios) / len(ratios)
-    return out
+    return {pool.pool: pool.balancedness() for pool in pools}
 
 
 def loads_since(before, after):
-    """The per-slot counts added between two dumps of the same placement."""
-    diff = []
-    for b, a in zip(before, after, strict=True):
-        layers = {}
-        for layer, (tokens, experts) in a.layers.items():
-            old_tokens, old_experts = b.layers[layer]
-            assert experts == old_experts, "the placement changed between the dumps"
-            layers[layer] = ([x - y for x, y in zip(tokens, old_tokens)], experts)
-        diff.append(type(a)(a.pool, a.num_ranks, a.num_experts, layers))
-    return diff
+    return [a.since(b) for b, a in zip(before, after, strict=True)]
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ shutdown leaves none of the processes it started behind (other Ray clusters on t
 not this test's business)."""
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -128,3 +129,23 @@ def test_a_local_cluster_stays_on_loopback_whatever_was_imported_first():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "['127.0.0.1']", out.stdout
+
+
+def test_a_taken_metrics_port_is_a_clear_error_and_nothing_stays_up():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    before = set(ray_descendants())
+    try:
+        cluster = make_cluster(metrics_port=port)
+        with pytest.raises(ValueError, match=f"metrics_port {port} on 127.0.0.1 is taken"):
+            cluster.start()
+        assert cluster.server is None  # nothing was bound
+    finally:
+        taken.close()
+    ours = {p: c for p, c in ray_descendants().items() if p not in before}
+    end = time.monotonic() + 30
+    while alive(ours) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not alive(ours), {pid: ours[pid] for pid in alive(ours)}
