@@ -6,13 +6,14 @@ resumed requests paid for it, side by side with an undisturbed run of the same w
 A cluster (router + 2 prefill + 2 decode ranks) streams `--requests` seeded requests: twice
 undisturbed (the first run warms up; the second is the baseline), then once with rank 0 of
 `--pool` killed (SIGKILL): a decode rank after a quarter of the tokens have arrived, a prefill
-rank half a second after the requests went out (long prompts then still queue on it). Every
+rank as soon as the status shows it holding requests (long prompts then still queue on it). Every
 stream of the run with the kill must equal the baseline, token for token (the resumed requests
 re-prefill prompt + what they had received; sampling depends on (seed, position)).
 Reported: kill -> health SERVING (as a client polling every 50 ms sees it), the router's own
 failure -> ready time, the longest gap between two tokens of a stream and the time to the first
 token in each run (the pause a client saw: a decode kill shows in the gaps, a prefill kill in the
-first token), and each run's wall time.
+first token), and each run's wall time. Prefix caching is off so that every run prefills for
+real (the same prompts repeat).
 """
 
 import argparse
@@ -39,8 +40,15 @@ async def stream_all(address: str, requests, fault=None, at_tokens: int = 0):
 
     total = {"tokens": 0, "fired": None}
 
-    async def fire_soon() -> None:
-        await asyncio.sleep(0.5)
+    async def fire_when_prefilling() -> None:
+        """Once prefill rank 0 (the one killed) holds requests (status polled every 20 ms)."""
+        while not any(
+            r.num_running + r.num_waiting
+            for p in (await client.cluster_status()).pools
+            if p.name == "prefill"
+            for r in p.ranks[:1]
+        ):
+            await asyncio.sleep(0.02)
         total["fired"] = time.monotonic()
         await asyncio.to_thread(fault)
 
@@ -60,7 +68,7 @@ async def stream_all(address: str, requests, fault=None, at_tokens: int = 0):
     async with AsyncInferenceClient(address, timeout=3600) as client:
         calls = [one(client, i, p, n) for i, (p, n) in enumerate(requests)]
         if fault and at_tokens == 0:
-            calls.append(fire_soon())
+            calls.append(fire_when_prefilling())
         outs = await asyncio.gather(*calls)
         outs = outs[: len(requests)]
     return outs, total["fired"]
@@ -106,7 +114,18 @@ def main() -> None:
     prompts = (256, 1024) if args.pool == "prefill" else (16, 256)
     requests = workload(args.requests, prompts, (64, 128), vocab, args.seed)
     tokens = sum(n for _, n in requests)
-    config = ClusterConfig.load(None, model=args.model, port=0, prefill_ranks=2, decode_ranks=2)
+    # No prefix caching: the runs repeat one workload, and a cached prompt would make the
+    # baseline's prefill nearly free while a re-formed prefill pool starts with an empty cache.
+    config = ClusterConfig.load(
+        None,
+        model=args.model,
+        port=0,
+        metrics_port=0,  # beside a running epcluster
+        rank_metrics_port=0,
+        prefill_ranks=2,
+        decode_ranks=2,
+        enable_prefix_caching=False,
+    )
     with Cluster(config) as cluster:
         asyncio.run(stream_all(cluster.address, requests))  # warm-up
         start = time.monotonic()
