@@ -123,7 +123,8 @@ def sample(
     logits: [B, V], cast to float32. params, seeds, positions: length B; seeds[i] is the request's
     seed (never None here: the engine draws one for seedless requests), positions[i] the index of
     the sampled token in the request's whole sequence (prompt + output).
-    Greedy rows (temperature 0) take argmax of the raw logits, lowest index on ties.
+    Greedy rows (temperature under MIN_TEMPERATURE) take argmax of the raw logits, lowest index
+    on ties.
     Logprobs come from log_softmax of the raw logits, before temperature and filtering.
     Returns SampleOutput with token_ids [B] int64.
     """

@@ -5,6 +5,14 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # exclusive; seeds travel in signed 64-bit fields between processes
+# Stop conditions are checked on every step of every request on a rank: bounded, so that one
+# client cannot slow down the whole EP pool (OpenAI allows 4 stop strings).
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+# Below this, logits / temperature overflows float32 (1e-40 makes inf - inf = nan): such a
+# temperature means greedy, as in vLLM (_SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
 
 
 def _is_int(value: object) -> bool:
@@ -25,8 +33,9 @@ def _as_float(name: str, value: object) -> float:
 class SamplingParams:
     """How to pick the next tokens of one request (field meanings follow vLLM).
 
-    temperature == 0 means greedy; top_k 0 or -1 means off; logprobs is the number of top
-    alternatives returned per token (0: only the sampled token's own logprob; None: nothing).
+    temperature == 0 (or under MIN_TEMPERATURE) means greedy; top_k 0 or -1 means off; logprobs
+    is the number of top alternatives returned per token (0: only the sampled token's own
+    logprob; None: nothing).
     """
 
     max_tokens: int = 16
@@ -69,13 +78,24 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)):
             raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")
         self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP:
+            raise ValueError(f"stop holds {len(self.stop)} strings: at most {MAX_STOP}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r} in {self.stop!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop strings must have at most {MAX_STOP_CHARS} characters, got one of "
+                    f"{len(s)}"
+                )
 
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids holds {len(self.stop_token_ids)} ids: at most {MAX_STOP_TOKEN_IDS}"
+            )
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(
@@ -94,4 +114,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE

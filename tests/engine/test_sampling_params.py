@@ -1,8 +1,10 @@
 import math
 
 import pytest
+import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampler import sample
+from engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 
 def test_defaults():
@@ -58,6 +60,9 @@ INVALID = [
     ("stop_token_ids", [-1], "got -1"),
     ("stop_token_ids", [1, "2"], "got '2'"),
     ("stop_token_ids", 5, "got 5"),
+    ("stop", ["x"] * 17, "holds 17 strings: at most 16"),
+    ("stop", ["x" * 257], "at most 256 characters, got one of 257"),
+    ("stop_token_ids", list(range(65)), "holds 65 ids: at most 64"),
     ("ignore_eos", 1, "got 1"),
     ("logprobs", -1, "[0, 20], got -1"),
     ("logprobs", 21, "[0, 20], got 21"),
@@ -72,3 +77,28 @@ def test_invalid(field: str, value: object, detail: str):
     message = str(info.value)
     assert message.startswith(field), message
     assert detail in message, message
+
+
+def test_the_bounds_themselves_are_accepted():
+    p = SamplingParams(stop=["y" * 256] * 16, stop_token_ids=list(range(64)))
+    assert len(p.stop) == 16 and len(p.stop_token_ids) == 64
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, MIN_TEMPERATURE / 2])
+def test_a_temperature_under_the_floor_is_greedy(temperature: float):
+    """logits / 1e-40 is inf in float32, and softmax of it nan: such rows must take argmax."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 4
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(6)]
+    assert all(p.greedy for p in params)
+    out = sample(logits, params, list(range(6)), [3] * 6)
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_the_smallest_sampling_temperature_stays_finite():
+    """At the floor itself sampling is still a draw, and it picks the argmax (the scaled logits
+    are finite and differ by far more than the race's noise)."""
+    logits = torch.tensor([[0.0, 1.0, 0.5, -2.0]])
+    p = SamplingParams(temperature=MIN_TEMPERATURE, seed=7)
+    assert not p.greedy
+    assert sample(logits, [p], [7], [0]).token_ids.tolist() == [1]
