@@ -21,6 +21,7 @@ from engine.messages import GenerateRequest, RequestOutput
 from router import convert
 from router.admission import Admission, AdmissionConfig
 from router.backend import Backend, Overloaded, Unavailable
+from router.grpc_service import add_service
 from router.metrics import RequestTimer, RouterMetrics
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
@@ -304,7 +305,7 @@ class RouterServer:
     async def _start(self, host: str, port: int) -> int:
         # NOTE: without so_reuseport=0, a second server on a taken port would bind silently.
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_InferenceServicer_to_server(self.servicer, self._server)
+        add_service(self._server, self.servicer, pb.DESCRIPTOR.services_by_name["Inference"])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)

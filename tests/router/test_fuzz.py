@@ -1,0 +1,150 @@
+"""Property-based fuzz of Generate through gRPC: 1,000 generated requests (hypothesis), valid and
+not, each answered with the status an independent reading of the documented rules expects
+(epcluster.proto's comments and the README), the server serving throughout, and the block
+invariant (no request, no used KV block, no admitted request) holding after every one."""
+
+import math
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.client import InferenceClient
+from router.proto import epcluster_pb2 as pb
+from router.server import serve
+from tests.router.conftest import wait_idle
+
+pytestmark = pytest.mark.slow
+
+VOCAB, CONTEXT = 512, 2048  # the tiny-random preset
+
+
+def mostly(good: st.SearchStrategy, bad: st.SearchStrategy) -> st.SearchStrategy:
+    """A valid value 7 times in 8: with 13 optional fields, about half the requests are valid."""
+    return st.sampled_from([good] * 7 + [bad]).flatmap(lambda chosen: chosen)
+
+
+bad_floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-1e-9, math.nan])
+unit = st.floats(min_value=1e-300, max_value=1.0) | st.sampled_from([1e-300, 1.0])
+fields = st.fixed_dictionaries(
+    {"text": mostly(st.text(min_size=1, max_size=40), st.sampled_from(["", None]))},
+    optional={
+        "request_id": mostly(st.text(min_size=1, max_size=8), st.sampled_from(["", "r" * 257])),
+        "token_ids": mostly(
+            st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+            st.lists(st.integers(-3, VOCAB + 3), max_size=12),
+        ),
+        "max_tokens": mostly(st.integers(1, 5), st.integers(-2, 0)),
+        "temperature": mostly(
+            st.floats(min_value=0.0, max_value=2.0) | st.sampled_from([1e-40, 1e-5, 1e300]),
+            bad_floats,
+        ),
+        "top_k": mostly(
+            st.integers(-1, 3) | st.integers(VOCAB - 2, 10**9), st.integers(-(2**31), -2)
+        ),
+        "top_p": mostly(unit, bad_floats | st.just(0.0) | st.floats(min_value=1.0001)),
+        "min_p": mostly(
+            st.floats(min_value=0.0, max_value=1.0), bad_floats | st.floats(min_value=1.0001)
+        ),
+        "seed": mostly(st.integers(0, 2**63 - 1) | st.integers(0, 5), st.integers(-(2**63), -1)),
+        "stop": mostly(
+            st.lists(st.text(min_size=1, max_size=4), max_size=16),
+            st.lists(st.text(max_size=4), max_size=18)  # an empty string, or too many
+            | st.lists(st.text(min_size=1, max_size=2), min_size=17, max_size=20)
+            | st.lists(st.text(min_size=255, max_size=260), min_size=1, max_size=2),
+        ),
+        "stop_token_ids": mostly(
+            st.lists(st.integers(0, VOCAB - 1), max_size=64),
+            st.lists(st.integers(-2, VOCAB + 2), max_size=64)
+            | st.lists(st.integers(0, VOCAB - 1), min_size=65, max_size=70),
+        ),
+        "ignore_eos": st.booleans(),
+        "logprobs": mostly(st.integers(0, 20), st.integers(-2, -1) | st.integers(21, 2**31 - 1)),
+    },
+)
+
+
+def to_request(f: dict) -> pb.GenerateRequest:
+    sampling = {k: v for k, v in f.items() if k not in ("request_id", "text", "token_ids")}
+    msg = pb.GenerateRequest(sampling_params=pb.SamplingParams(**sampling))
+    if "request_id" in f:
+        msg.request_id = f["request_id"]
+    if "token_ids" in f:  # a oneof: token_ids wins when both are drawn
+        msg.token_ids.ids.extend(f["token_ids"])
+    elif f["text"] is not None:  # None: no prompt at all
+        msg.text = f["text"]
+    return msg
+
+
+def valid(f: dict) -> bool:
+    """The documented rules, read independently of SamplingParams and the converter."""
+    if "token_ids" in f:
+        ids = f["token_ids"]
+        if not ids or len(ids) >= CONTEXT or any(not 0 <= t < VOCAB for t in ids):
+            return False
+    elif not f.get("text"):
+        return False
+    if "request_id" in f and not 1 <= len(f["request_id"]) <= 256:
+        return False
+    if f.get("max_tokens", 16) < 1:
+        return False
+    t = f.get("temperature", 1.0)
+    if not math.isfinite(t) or t < 0:
+        return False
+    if f.get("top_k", 0) not in (0, -1) and f.get("top_k", 0) < 1:
+        return False
+    p = f.get("top_p", 1.0)
+    if not (math.isfinite(p) and 0 < p <= 1):
+        return False
+    m = f.get("min_p", 0.0)
+    if not (math.isfinite(m) and 0 <= m <= 1):
+        return False
+    if not 0 <= f.get("seed", 0) < 2**63:
+        return False
+    stop = f.get("stop", [])
+    if len(stop) > 16 or any(not s or len(s) > 256 for s in stop):
+        return False
+    stop_ids = f.get("stop_token_ids", [])
+    if len(stop_ids) > 64 or any(not 0 <= t < VOCAB for t in stop_ids):
+        return False
+    return 0 <= f.get("logprobs", 0) <= 20
+
+
+@pytest.fixture(scope="module")
+def client(backend):
+    server = serve(backend, port=0)
+    assert server.wait_ready(10)
+    with InferenceClient(server.address, timeout=30) as client:
+        yield client
+    server.stop()
+
+
+@settings(
+    max_examples=1000,
+    deadline=None,
+    derandomize=True,  # the same 1,000 requests on every run
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(f=fields)
+def test_fuzzed_requests_get_the_documented_status(client, backend, f):
+    request = to_request(f)
+    if valid(f):
+        outs = list(client.stub.Generate(request, timeout=30))
+        tokens = [t for o in outs for t in o.token_ids]
+        max_tokens, reason = f.get("max_tokens", 16), outs[-1].finish_reason
+        assert reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH), (f, outs[-1])
+        assert (
+            len(tokens) == max_tokens
+            if reason == pb.FINISH_REASON_LENGTH
+            else len(tokens) <= max_tokens
+        )
+        if "logprobs" in f:
+            assert sum(len(o.logprobs) for o in outs) == len(tokens)
+    else:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Generate(request, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (f, err.value.details())
+        assert "Traceback" not in err.value.details()
+    assert wait_idle(backend) == (False, 0)
+    assert client.cluster_status().num_queued == 0
