@@ -184,10 +184,28 @@ class ClusterConfig:
             ],
             self,
         )
+        self._check_files()
         try:
             self.engine_config("prefill")
         except ValueError as e:
             raise ConfigError(str(e)) from e
+
+    def _check_files(self) -> None:
+        """The model and the placement files exist (here: the driver reads them too)."""
+        from moe.presets import preset_names
+
+        if self.model not in preset_names() and not (Path(self.model) / "config.json").is_file():
+            raise ConfigError(
+                f"model must be a preset ({', '.join(preset_names())}) or a checkpoint directory "
+                f"with config.json (got {self.model!r}: no such directory or no config.json in it)"
+            )
+        for pool in ("prefill", "decode"):
+            path = getattr(self, pool).placement_file
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(
+                    f"{pool}.placement_file {path!r} does not exist (write one with "
+                    "`epcluster rebalance --save FILE`)"
+                )
 
     def engine_config(self, pool: str) -> EngineConfig:
         """The engine of a rank of `pool`. NOTE: call it on a resolved config (resolve_gpus):

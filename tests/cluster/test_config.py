@@ -1,0 +1,79 @@
+"""Bad cluster configs fail at start, before Ray starts, with a message that names the field:
+wrong types, unknown fields, bad values, malformed YAML, a missing model or placement file; and
+gpus_per_rank: null is decided by what the Ray cluster offers."""
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import ClusterConfig, ConfigError
+
+BAD_YAML = {
+    "string port": ("port: '50051'", "port must be an integer (got str '50051')"),
+    "bool timeout": ("drain_timeout_s: true", "drain_timeout_s must be a number (got bool True)"),
+    "list model": ("model: [tiny]", "model must be a string"),
+    "pool field type": ("prefill: {num_ranks: two}", "prefill.num_ranks must be an integer"),
+    "resources type": (
+        "decode: {resources: {epcluster_decode: one}}",
+        "decode.resources must be a mapping of a string to a number",
+    ),
+    "pool not a mapping": ("decode: 4", "decode must be a mapping of pool fields"),
+    "unknown field": ("prefil_ranks: 2", "unknown config field prefil_ranks"),
+    "unknown pool field": ("prefill: {num_rank: 2}", "unknown config field prefill.num_rank"),
+    "port out of range": ("port: 70000", "port must be in [0, 65536) (got 70000)"),
+    "negative timeout": ("rank_stall_timeout_s: -1", "rank_stall_timeout_s must be > 0"),
+    "kv transport": ("kv_transport: tcp", "kv_transport must be object_store or p2p"),
+    "overlap": ("decode: {two_batch_overlap: maybe}", "decode.two_batch_overlap must be on, off"),
+    "zero ranks": ("prefill: {num_ranks: 0}", "prefill.num_ranks must be >= 1"),
+    "malformed YAML": ("port: [1, 2", "is not valid YAML"),
+    "not a mapping": ("- port: 1", "the config must be a mapping of fields, got list"),
+    "missing model": ("model: /nowhere/ckpt", "model must be a preset"),
+    "directory without config.json": ("model: /tmp", "no such directory or no config.json"),
+    "missing placement file": (
+        "prefill: {placement_file: /nowhere/placement.json}",
+        "prefill.placement_file '/nowhere/placement.json' does not exist",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_YAML))
+def test_bad_yaml_names_the_field(tmp_path, case):
+    text, expected = BAD_YAML[case]
+    path = tmp_path / "config.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as err:
+        ClusterConfig.load(path)
+    assert expected in str(err.value)
+
+
+def test_a_missing_config_file():
+    with pytest.raises(ConfigError, match="cannot read the config file /nowhere.yaml"):
+        ClusterConfig.load("/nowhere.yaml")
+
+
+def test_flags_are_checked_like_the_file():
+    with pytest.raises(ConfigError, match="port must be in"):
+        ClusterConfig.load(None, port=-1)
+    with pytest.raises(ConfigError, match="model must be a preset"):
+        ClusterConfig.load(None, model="no-such-preset")
+    with pytest.raises(ConfigError, match="prefill.num_ranks must be >= 1"):
+        ClusterConfig.load(None, prefill_ranks=0)
+
+
+def test_serve_with_a_bad_config_exits_2_naming_the_field(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text("decode: {max_num_seqs: 0}\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "epcluster: decode.max_num_seqs must be >= 1 (got 0)" in err
+    assert "Traceback" not in err
+
+
+def test_gpus_per_rank_null_follows_the_cluster():
+    config = ClusterConfig.load(None)
+    assert config.gpus_per_rank is None
+    cpu = config.resolve_gpus(0.0)
+    assert cpu.gpus_per_rank == 0.0 and cpu.engine_config("decode").device == "cpu"
+    gpu = config.resolve_gpus(8.0)
+    assert gpu.gpus_per_rank == 1.0 and gpu.engine_config("prefill").device == "cuda"
+    fixed = ClusterConfig.load(None, gpus_per_rank=0.5).resolve_gpus(0.0)
+    assert fixed.gpus_per_rank == 0.5  # an explicit value is kept
