@@ -81,7 +81,7 @@ def _generate_remote(args: argparse.Namespace, params) -> int:
     from router.client import InferenceClient
     from router.convert import output_from_proto
 
-    client = InferenceClient(args.target)
+    client = InferenceClient(args.target, security=client_security(args))
     try:
         text, ids, last = "", [], None
         for response in client.generate(args.prompt, params, timeout=args.timeout):
@@ -109,7 +109,7 @@ def _generate_remote(args: argparse.Namespace, params) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from router.client import InferenceClient
 
-    client = InferenceClient(args.target)
+    client = InferenceClient(args.target, security=client_security(args))
     try:
         status = client.cluster_status()
         info = client.model_info()
@@ -157,7 +157,9 @@ def describe_rebalance(r) -> str:
 def cmd_rebalance(args: argparse.Namespace) -> int:
     from router.client import InferenceClient
 
-    with InferenceClient(args.target, timeout=args.timeout) as client:
+    with InferenceClient(
+        args.target, timeout=args.timeout, security=client_security(args)
+    ) as client:
         for pool, status in client.rebalance(args.pool):
             print(f"{pool}: {describe_rebalance(status)}")
         if args.save:
@@ -192,6 +194,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
         rank_metrics_port=args.rank_metrics_port,
+        auth_token_file=args.auth_token_file,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        tls_client_ca_file=args.tls_client_ca_file,
     )
     if config.ray_address is None:
         # A local Ray stays on loopback; Ray reads this when it is first imported.
@@ -238,6 +244,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    """How to reach a router that requires a token and/or TLS (README "Security")."""
+    parser.add_argument("--token-file", help="send the bearer token in this file")
+    parser.add_argument("--tls-ca-file", help="PEM CA of the router's certificate: use TLS")
+    parser.add_argument("--tls-cert-file", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+    parser.add_argument("--tls-server-name", help="check the router's certificate for this name")
+
+
+def client_security(args: argparse.Namespace):
+    """-> router.auth.ClientSecurity, or None for a plaintext, open router."""
+    from router.auth import ClientSecurity
+
+    if not (args.token_file or args.tls_ca_file or args.tls_cert_file or args.tls_key_file):
+        return None
+    if (args.tls_cert_file or args.tls_key_file) and not args.tls_ca_file:
+        raise ValueError("--tls-cert-file and --tls-key-file need --tls-ca-file (TLS)")
+    return ClientSecurity.from_files(
+        args.token_file, args.tls_ca_file, args.tls_cert_file, args.tls_key_file,
+        args.tls_server_name,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="epcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -260,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--metrics-port", type=int, help="router /metrics and /sd/targets (0: any)")
     serve.add_argument("--rank-metrics-port", type=int, help="first port of the ranks' /metrics")
+    serve.add_argument("--auth-token-file", help="require this bearer token from gRPC clients")
+    serve.add_argument("--tls-cert-file", help="PEM server certificate: serve gRPC over TLS")
+    serve.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+    serve.add_argument(
+        "--tls-client-ca-file", help="PEM CA: mutual TLS, clients need a certificate it signed"
+    )
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a continuation (in-process or via --target)")
@@ -274,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--timeout", type=float, default=None, help="seconds (a gRPC deadline)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    add_client_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     rebalance = sub.add_parser("rebalance", help="re-place the experts of a running cluster now")
@@ -281,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     rebalance.add_argument("--pool", choices=["prefill", "decode"], help="one pool (default both)")
     rebalance.add_argument("--save", metavar="FILE", help="then save the placements (JSON)")
     rebalance.add_argument("--timeout", type=float, default=600.0)
+    add_client_flags(rebalance)
     rebalance.set_defaults(func=cmd_rebalance)
 
     status = sub.add_parser("status", help="pools, ranks and KV usage of a running router")
@@ -288,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument(
         "--expert-load", metavar="PNG", help="also draw each pool's expert load as heatmaps"
     )
+    add_client_flags(status)
     status.set_defaults(func=cmd_status)
 
     args = parser.parse_args(argv)

@@ -110,6 +110,11 @@ class ClusterConfig:
     port: int = 50051
     metrics_port: int | None = 9400  # the router's /metrics and /sd/targets (0: any; null: off)
     rank_metrics_port: int | None = 9401  # a rank's /metrics: first port tried on its node
+    # gRPC security (README "Security"): a bearer token, TLS, and mutual TLS with a client CA
+    auth_token_file: str | None = None  # clients send `authorization: Bearer <file's text>`
+    tls_cert_file: str | None = None  # PEM server certificate (with tls_key_file): TLS on
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # PEM CA: clients must present a cert it signed
     ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join
     gpus_per_rank: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
     cpus_per_rank: float = 0.5  # CPU share of a rank's bundle
@@ -191,13 +196,23 @@ class ClusterConfig:
             raise ConfigError(str(e)) from e
 
     def _check_files(self) -> None:
-        """The model and the placement files exist (here: the driver reads them too)."""
+        """The model, security and placement files exist (the router's process reads them)."""
         from moe.presets import preset_names
 
         if self.model not in preset_names() and not (Path(self.model) / "config.json").is_file():
             raise ConfigError(
                 f"model must be a preset ({', '.join(preset_names())}) or a checkpoint directory "
                 f"with config.json (got {self.model!r}: no such directory or no config.json in it)"
+            )
+        for name in ("auth_token_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{name} {path!r} does not exist or is not a file")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError(
+                "tls_client_ca_file (mutual TLS) needs TLS: set tls_cert_file and tls_key_file"
             )
         for pool in ("prefill", "decode"):
             path = getattr(self, pool).placement_file

@@ -20,6 +20,7 @@ from engine.tokenizer import load_tokenizer
 from moe.config import ModelConfig
 from moe.loader import resolve_model_path
 from router.admission import AdmissionConfig
+from router.auth import ServerSecurity
 from router.cluster_backend import ClusterBackend, RoutingConfig
 from router.metrics import RouterMetrics
 from router.pools import HealthConfig
@@ -91,6 +92,9 @@ class Cluster:
                 admission=AdmissionConfig(c.max_queued_requests, c.max_queued_tokens),
                 ready_wait_s=c.recovery_wait_s,
                 metrics=self.metrics,
+                security=ServerSecurity.from_files(
+                    c.auth_token_file, c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file
+                ),
             )
             self.server.call(asyncio.wait_for(self._start_pools(), c.start_timeout_s))
             if not self.server.wait_ready(30):

@@ -6,5 +6,9 @@ local_backend.py LocalBackend: one LLMEngine on a background thread
 admission.py     caps on admitted requests and their prompt tokens
 convert.py       protobuf <-> engine dataclasses, request validation
 server.py        InferenceServicer, health, reflection; serve() -> RouterServer
+grpc_service.py  registers a service so that an unparsable request is INVALID_ARGUMENT
+auth.py          TLS, mutual TLS and the bearer token: server side and client channels
 client.py        InferenceClient, AsyncInferenceClient
+cluster_backend.py, pools.py, routing.py: the Backend over the Ray pools (health, re-forming)
+metrics.py       the router's Prometheus metrics
 """

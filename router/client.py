@@ -3,17 +3,18 @@
 Prompts are text or token ids, sampling options engine.SamplingParams. `generate` streams the
 protobuf responses (the returned object is also the gRPC call: `.cancel()` stops the request and
 frees its KV cache); `complete` gathers them into one engine.RequestOutput, as `LLM.generate`
-returns. Failures raise grpc.RpcError (.code(), .details() says what to fix).
+returns. Failures raise grpc.RpcError (.code(), .details() says what to fix). `security`
+(router.auth.ClientSecurity): TLS and the bearer token of a router that requires them.
 """
 
 from collections.abc import AsyncIterator, Iterable, Iterator
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.messages import ClusterStatus, ModelInfo, PoolLoad, RebalanceStatus, RequestOutput
 from engine.sampling_params import SamplingParams
-from router import convert
+from router import auth, convert
+from router.auth import ClientSecurity
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
 
@@ -45,8 +46,14 @@ def _health_name(response: health_pb2.HealthCheckResponse) -> str:
 class InferenceClient:
     """Blocking client. `timeout` is the default deadline (seconds) of every call."""
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        security: ClientSecurity | None = None,
+    ) -> None:
+        self.channel = auth.channel(target, security)
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout
@@ -113,8 +120,14 @@ class InferenceClient:
 class AsyncInferenceClient:
     """asyncio client (create it inside the event loop that uses it)."""
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        security: ClientSecurity | None = None,
+    ) -> None:
+        self.channel = auth.aio_channel(target, security)
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.messages import GenerateRequest, RequestOutput
 from router import convert
 from router.admission import Admission, AdmissionConfig
+from router.auth import ServerSecurity
 from router.backend import Backend, Overloaded, Unavailable
 from router.grpc_service import add_service
 from router.metrics import RequestTimer, RouterMetrics
@@ -246,8 +247,10 @@ class RouterServer:
         ready_poll_s: float,
         ready_wait_s: float,
         metrics: RouterMetrics | None = None,
+        security: ServerSecurity | None = None,
     ) -> None:
         self.backend = backend
+        self.security = security or ServerSecurity()
         self.host = host
         self.ready_poll_s = ready_poll_s
         self.servicer = InferenceServicer(backend, Admission(admission), ready_wait_s, metrics)
@@ -304,7 +307,9 @@ class RouterServer:
 
     async def _start(self, host: str, port: int) -> int:
         # NOTE: without so_reuseport=0, a second server on a taken port would bind silently.
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._server = grpc.aio.server(
+            interceptors=self.security.interceptors(), options=[("grpc.so_reuseport", 0)]
+        )
         add_service(self._server, self.servicer, pb.DESCRIPTOR.services_by_name["Inference"])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -313,7 +318,11 @@ class RouterServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, _NOT_SERVING)
         bracketed = f"[{host}]" if ":" in host else host
-        bound = self._server.add_insecure_port(f"{bracketed}:{port}")
+        credentials = self.security.credentials()
+        if credentials is None:
+            bound = self._server.add_insecure_port(f"{bracketed}:{port}")
+        else:
+            bound = self._server.add_secure_port(f"{bracketed}:{port}", credentials)
         if bound == 0:
             raise RuntimeError(f"cannot bind the router to {bracketed}:{port}")
         await self._server.start()
@@ -361,9 +370,18 @@ def serve(
     ready_poll_s: float = 0.1,
     ready_wait_s: float = 30.0,
     metrics: RouterMetrics | None = None,
+    security: ServerSecurity | None = None,
 ) -> RouterServer:
     """Start the router on host:port (0 picks a free port: see .port) and return it. Health is
-    NOT_SERVING until backend.ready(); `wait_ready()` blocks until then."""
+    NOT_SERVING until backend.ready(); `wait_ready()` blocks until then. `security`: TLS and a
+    bearer token (router/auth.py); plaintext and open by default."""
     return RouterServer(
-        backend, host, port, admission or AdmissionConfig(), ready_poll_s, ready_wait_s, metrics
+        backend,
+        host,
+        port,
+        admission or AdmissionConfig(),
+        ready_poll_s,
+        ready_wait_s,
+        metrics,
+        security,
     )

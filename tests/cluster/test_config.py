@@ -2,7 +2,11 @@
 wrong types, unknown fields, bad values, malformed YAML, a missing model or placement file; and
 gpus_per_rank: null is decided by what the Ray cluster offers."""
 
+from dataclasses import asdict
+from pathlib import Path
+
 import pytest
+import yaml
 
 from cluster.cli import main
 from cluster.config import ClusterConfig, ConfigError
@@ -28,6 +32,9 @@ BAD_YAML = {
     "not a mapping": ("- port: 1", "the config must be a mapping of fields, got list"),
     "missing model": ("model: /nowhere/ckpt", "model must be a preset"),
     "directory without config.json": ("model: /tmp", "no such directory or no config.json"),
+    "missing token file": ("auth_token_file: /nowhere/token", "auth_token_file '/nowhere/token'"),
+    "cert without key": ("tls_cert_file: /etc/hostname", "tls_cert_file and tls_key_file go"),
+    "client CA without TLS": ("tls_client_ca_file: /etc/hostname", "needs TLS: set tls_cert"),
     "missing placement file": (
         "prefill: {placement_file: /nowhere/placement.json}",
         "prefill.placement_file '/nowhere/placement.json' does not exist",
@@ -77,3 +84,9 @@ def test_gpus_per_rank_null_follows_the_cluster():
     assert gpu.gpus_per_rank == 1.0 and gpu.engine_config("prefill").device == "cuda"
     fixed = ClusterConfig.load(None, gpus_per_rank=0.5).resolve_gpus(0.0)
     assert fixed.gpus_per_rank == 0.5  # an explicit value is kept
+
+
+def test_the_example_lists_every_field_with_its_default():
+    example = Path(__file__).resolve().parents[2] / "deploy" / "config.example.yaml"
+    written = yaml.safe_load(example.read_text())
+    assert written == asdict(ClusterConfig())
