@@ -350,7 +350,13 @@ class RouterServer:
             await self._poll
         self._serving.clear()
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        # NOTE: the port stays open while the streams in flight finish, so that a new call gets
+        # this servicer's UNAVAILABLE with a retry hint: grpc's own stop(grace) would refuse it
+        # with CANCELLED, which clients do not retry.
+        end = time.monotonic() + (grace or 0.0)
+        while self.servicer.in_flight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        await self._server.stop(0)  # what is still in flight is cancelled (and aborted)
 
     def _run(self, coro: object) -> object:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

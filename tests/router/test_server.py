@@ -377,6 +377,29 @@ def test_stop_cancels_streams_and_aborts_their_requests(backend):
     server.stop()  # idempotent
 
 
+def test_while_stopping_new_calls_get_unavailable_and_streams_finish(backend):
+    server = serve(backend, port=0)
+    assert server.wait_ready(10)
+    with InferenceClient(server.address, timeout=60) as c:
+        params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+        stream = c.generate([5, 6, 7], params)
+        got = list(next(stream).token_ids)
+        stopper = threading.Thread(target=server.stop, kwargs={"grace": 60})
+        stopper.start()
+        end = time.monotonic() + 10
+        while c.health() == "SERVING" and time.monotonic() < end:
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as refused:
+            c.complete([8, 9], QUICK)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # retryable, not CANCELLED
+        assert "shutting down" in refused.value.details()
+        got += [t for m in stream for t in m.token_ids]
+        assert len(got) == 200
+    stopper.join(60)
+    assert not stopper.is_alive()
+    assert wait_idle(backend) == (False, 0)
+
+
 def test_port_in_use_fails_loudly(server, backend):
     with pytest.raises(RuntimeError, match="(?i)bind"):
         serve(backend, port=server.port)
