@@ -4,8 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= A class
+# Prometheus and promtool for the monitoring tests: the Debian package's static binaries,
+# unpacked into the venv (no system-wide install; PyPI has no Prometheus).
+PROM_DIR := $(VENV)/prometheus
+PROMETHEUS := $(PROM_DIR)/usr/bin/prometheus
 
-.PHONY: install run generate test lint proto clean
+.PHONY: install run generate test lint proto clean prometheus
 
 install: $(STAMP)
 
@@ -22,7 +26,17 @@ run: install  # the embedded default: tiny model, 2 prefill + 2 decode ranks, gR
 generate: install  # offline, in-process generation
 	$(VENV)/bin/epcluster generate --model tiny --prompt "$(PROMPT)" --max-tokens 32
 
-test: install
+prometheus: $(PROMETHEUS)
+
+$(PROMETHEUS):
+	rm -rf $(PROM_DIR)/deb && mkdir -p $(PROM_DIR)/deb
+	cd $(PROM_DIR)/deb && (apt-get download prometheus 2>/dev/null \
+		|| (apt-get update -qq && apt-get download prometheus))
+	dpkg -x $(PROM_DIR)/deb/prometheus_*.deb $(PROM_DIR)
+	rm -rf $(PROM_DIR)/deb
+	$(PROMETHEUS) --version | head -1
+
+test: install prometheus
 	$(PY) -m pytest -q
 
 proto: install  # regenerate router/proto/*_pb2*.py from epcluster.proto

@@ -1,0 +1,491 @@
+"""epcluster's Grafana dashboards, built from code (../../shared/OPERATIONS.md "Grafana"):
+Overview, Pools, KV transfer and MoE. Every panel and target uses the `datasource` variable;
+`job`, `instance`, `model_name` and `pool` variables filter; ranges are `$__rate_interval`."""
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+R = '{job=~"$job", model_name=~"$model_name"}'  # router series
+K = '{job=~"$job", model_name=~"$model_name", pool=~"$pool", instance=~"$instance"}'  # ranks
+RI = "$__rate_interval"
+
+
+def _k(extra: str) -> str:
+    return K[:-1] + ", " + extra + "}"
+
+
+def q(expr: str, legend: str = "") -> dict:
+    return {"expr": expr, "legendFormat": legend}
+
+
+def quantiles(metric: str, sel: str = R, by: str = "") -> list[dict]:
+    group = f"le{', ' + by if by else ''}"
+    return [
+        q(
+            f"histogram_quantile({p}, sum by ({group}) (rate({metric}_bucket{sel}[{RI}])))",
+            f"p{int(p * 100)}{' {{' + by + '}}' if by else ''}",
+        )
+        for p in (0.5, 0.95, 0.99)
+    ]
+
+
+def panel(title: str, unit: str, description: str, targets: list[dict], kind="timeseries"):
+    return {"title": title, "unit": unit, "description": description, "targets": targets,
+            "type": kind}  # fmt: skip
+
+
+def variable(name: str, query: str) -> dict:
+    return {
+        "name": name,
+        "label": name,
+        "type": "query",
+        "datasource": DS,
+        "query": {"query": query, "refId": f"{name}-var"},
+        "definition": query,
+        "refresh": 2,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"text": "All", "value": "$__all"},
+        "sort": 1,
+    }
+
+
+def board(uid: str, title: str, description: str, panels: list[dict], annotations=()) -> dict:
+    out = []
+    for i, p in enumerate(panels):
+        out.append(
+            {
+                "id": i + 1,
+                "type": p["type"],
+                "title": p["title"],
+                "description": p["description"],
+                "datasource": DS,
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+                "fieldConfig": {"defaults": {"unit": p["unit"]}, "overrides": []},
+                "options": {"legend": {"displayMode": "table", "placement": "bottom"}},
+                "targets": [
+                    dict(t, refId=chr(ord("A") + j), datasource=DS)
+                    for j, t in enumerate(p["targets"])
+                ],
+            }
+        )
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["epcluster"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "timezone": "browser",
+        "annotations": {"list": list(annotations)},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Data source",
+                    "type": "datasource",
+                    "query": "prometheus",
+                },
+                variable("job", "label_values(epcluster_build_info, job)"),
+                variable(
+                    "model_name", 'label_values(epcluster_build_info{job=~"$job"}, model_name)'
+                ),
+                variable("pool", 'label_values(epcluster_engine_steps_total{job=~"$job"}, pool)'),
+                variable(
+                    "instance",
+                    "label_values(epcluster_engine_steps_total"
+                    '{job=~"$job", pool=~"$pool"}, instance)',
+                ),
+            ]  # fmt: skip
+        },
+        "panels": out,
+    }
+
+
+def overview() -> dict:
+    reqs = f"epcluster_requests_total{R}"
+    return board(
+        "epcluster-overview",
+        "epcluster / Overview",
+        "Requests as clients see them, measured at the router.",
+        [
+            panel(
+                "Requests",
+                "reqps",
+                "Finished requests per second, by finish reason.",
+                [q(f"sum by (finished_reason) (rate({reqs}[{RI}]))", "{{finished_reason}}")],
+            ),
+            panel(
+                "Tokens",
+                "short",
+                "Prompt and generated tokens per second.",
+                [
+                    q(f"sum(rate(epcluster_prompt_tokens_total{R}[{RI}]))", "prompt"),
+                    q(f"sum(rate(epcluster_generation_tokens_total{R}[{RI}]))", "generated"),
+                    q(
+                        f"sum(rate(epcluster_prompt_tokens_cached_total{R}[{RI}]))",
+                        "prompt, cached",
+                    ),
+                ],
+            ),
+            panel(
+                "Error ratio",
+                "percentunit",
+                "Share of requests that ended in a server error (client cancels excluded).",
+                [
+                    q(
+                        f'sum(rate(epcluster_requests_total{R[:-1]}, finished_reason="error"}}'
+                        f"[{RI}])) / (sum(rate({reqs}[{RI}])) > 0)",
+                        "errors",
+                    )
+                ],
+            ),
+            panel(
+                "gRPC codes",
+                "reqps",
+                "Finished requests per second by gRPC status code.",
+                [q(f"sum by (code) (rate({reqs}[{RI}]))", "{{code}}")],
+            ),
+            panel(
+                "Time to first token",
+                "s",
+                "p50 / p95 / p99 from the router's histogram.",
+                quantiles("epcluster_time_to_first_token_seconds"),
+            ),
+            panel(
+                "Inter-token latency",
+                "s",
+                "p50 / p95 / p99 between a stream's tokens.",
+                quantiles("epcluster_inter_token_latency_seconds"),
+            ),
+            panel(
+                "End-to-end latency",
+                "s",
+                "p50 / p95 / p99 of whole requests.",
+                quantiles("epcluster_e2e_request_latency_seconds"),
+            ),
+            panel(
+                "TTFT SLO attainment",
+                "percentunit",
+                "Share of requests whose first token came within 2.5 s (the alerts' SLO).",
+                [
+                    q(
+                        f'sum(rate(epcluster_time_to_first_token_seconds_bucket{R[:-1]}, le="2.5"}}'
+                        f"[{RI}])) / (sum(rate(epcluster_time_to_first_token_seconds_count{R}"
+                        f"[{RI}])) > 0)",
+                        "within 2.5 s",
+                    )
+                ],
+            ),
+            panel(
+                "Router queue",
+                "short",
+                "Requests admitted and running or waiting.",
+                [
+                    q(f"sum(epcluster_router_requests_running{R})", "running"),
+                    q(f"sum(epcluster_router_requests_waiting{R})", "waiting"),
+                ],
+            ),
+            panel(
+                "Refusals and resumes",
+                "reqps",
+                "Admission refusals (RESOURCE_EXHAUSTED) and requests resumed after a rank "
+                "failure.",
+                [
+                    q(
+                        f"sum by (reason) (rate(epcluster_admission_rejections_total{R}[{RI}]))",
+                        "refused: {{reason}}",
+                    ),
+                    q(
+                        f"sum by (target_pool) (rate(epcluster_request_resumes_total{R}[{RI}]))",
+                        "resumed: {{target_pool}}",
+                    ),
+                ],
+            ),
+        ],  # fmt: skip
+    )
+
+
+def pools() -> dict:
+    return board(
+        "epcluster-pools",
+        "epcluster / Pools",
+        "Prefill and decode pools side by side: queues, KV usage, steps, stragglers.",
+        [
+            panel(
+                "Pool ready",
+                "short",
+                "1 while the pool can take work (router's view).",
+                [q(f"epcluster_pool_ready{R}", "{{target_pool}}")],
+            ),
+            panel(
+                "Running and waiting per pool",
+                "short",
+                "Requests on the pool's ranks.",
+                [
+                    q(f"sum by (pool) (epcluster_requests_running{K})", "{{pool}} running"),
+                    q(
+                        f"sum by (pool, reason) (epcluster_requests_waiting{K})",
+                        "{{pool}} waiting: {{reason}}",
+                    ),
+                ],
+            ),
+            panel(
+                "KV cache usage",
+                "percentunit",
+                "Min, mean and max across a pool's ranks.",
+                [
+                    q(f"min by (pool) (epcluster_kv_cache_usage_ratio{K})", "{{pool}} min"),
+                    q(f"avg by (pool) (epcluster_kv_cache_usage_ratio{K})", "{{pool}} mean"),
+                    q(f"max by (pool) (epcluster_kv_cache_usage_ratio{K})", "{{pool}} max"),
+                ],
+            ),
+            panel(
+                "Step time",
+                "s",
+                "p50 / p99 engine step per pool.",
+                quantiles("epcluster_step_duration_seconds", K, "pool"),
+            ),
+            panel(
+                "Batch size",
+                "short",
+                "Mean requests per step.",
+                [
+                    q(
+                        f"sum by (pool) (rate(epcluster_step_batch_size_sum{K}[{RI}])) / "
+                        f"(sum by (pool) (rate(epcluster_step_batch_size_count{K}[{RI}])) > 0)",
+                        "{{pool}}",
+                    )
+                ],
+            ),
+            panel(
+                "Steps per rank (stragglers)",
+                "short",
+                "Engine steps per second per rank: in a pool they step in lockstep; a rank "
+                "behind the others is stalled.",
+                [
+                    q(
+                        f"sum by (pool, rank) (rate(epcluster_engine_steps_total{K}[{RI}]))",
+                        "{{pool}} {{rank}}",
+                    )
+                ],
+            ),
+            panel(
+                "Stalled",
+                "s",
+                "How long a rank with work has made no progress.",
+                [q(f"epcluster_engine_stalled_seconds{K}", "{{pool}} {{rank}}")],
+            ),
+            panel(
+                "Preemptions and prefix cache",
+                "short",
+                "Preemptions per second, and the share of prompt tokens the prefix cache served.",
+                [
+                    q(
+                        f"sum by (pool) (rate(epcluster_preemptions_total{K}[{RI}]))",
+                        "{{pool}} preemptions/s",
+                    ),
+                    q(
+                        f"sum by (pool) (rate(epcluster_prefix_cache_hits_total{K}[{RI}])) / "
+                        "(sum by (pool) (rate(epcluster_prefix_cache_queries_total"
+                        f"{K}[{RI}])) > 0)",
+                        "{{pool}} hit ratio",
+                    ),
+                ],
+            ),
+            panel(
+                "Re-forms",
+                "short",
+                "Pool re-forms after a rank failure (increase).",
+                [
+                    q(
+                        f"sum by (target_pool) (increase(epcluster_pool_reforms_total{R}[{RI}]))",
+                        "{{target_pool}}",
+                    )
+                ],
+            ),
+        ],  # fmt: skip
+    )
+
+
+def kv_transfer() -> dict:
+    return board(
+        "epcluster-kv-transfer",
+        "epcluster / KV transfer",
+        "The prompt's KV on its way from a prefill rank to a decode rank.",
+        [
+            panel(
+                "Transfer time",
+                "s",
+                "p50 / p95 / p99 per side.",
+                quantiles("epcluster_kv_transfer_duration_seconds", K, "side"),
+            ),
+            panel(
+                "Throughput",
+                "Bps",
+                "KV bytes per second sent and received.",
+                [
+                    q(
+                        f"sum by (side) (rate(epcluster_kv_transfer_bytes_total{K}[{RI}]))",
+                        "{{side}}",
+                    )
+                ],
+            ),
+            panel(
+                "Transfer size",
+                "bytes",
+                "p50 / p99 bytes of one request's KV.",
+                quantiles("epcluster_kv_transfer_size_bytes", K),
+            ),
+            panel(
+                "Failures and fallbacks",
+                "short",
+                "Failed transfers by stage, and requests resumed through the object store.",
+                [
+                    q(
+                        f"sum by (stage) (increase(epcluster_kv_transfer_failures_total{K}[{RI}]))",
+                        "failed: {{stage}}",
+                    ),
+                    q(
+                        f"sum(increase(epcluster_kv_transfer_fallbacks_total{R}[{RI}]))",
+                        "fallbacks",
+                    ),
+                ],
+            ),
+            panel(
+                "Reservations",
+                "short",
+                "Decode KV reservations by outcome, per second.",
+                [
+                    q(
+                        f"sum by (outcome) (rate(epcluster_kv_reservations_total{K}[{RI}]))",
+                        "{{outcome}}",
+                    )
+                ],
+            ),
+            panel(
+                "Reservation wait",
+                "s",
+                "p50 / p95 / p99 wait for decode KV room.",
+                quantiles("epcluster_kv_reservation_wait_seconds"),
+            ),
+        ],  # fmt: skip
+    )
+
+
+def moe() -> dict:
+    rebalances = {
+        "name": "Rebalances",
+        "datasource": DS,
+        "enable": True,
+        "iconColor": "orange",
+        "expr": "changes(epcluster_eplb_rebalances_total"
+        + _k('outcome="applied"')
+        + f"[{RI}]) > 0",
+        "titleFormat": "rebalance ({{pool}} rank {{rank}})",
+    }
+    return board(
+        "epcluster-moe",
+        "epcluster / MoE",
+        "Expert parallelism: load balance, rebalances, all-to-all, routed tokens.",
+        [
+            panel(
+                "Balancedness",
+                "percentunit",
+                "Mean rank load / max rank load over the MoE layers (1 = even); worst layer.",
+                [
+                    q(
+                        f"min by (pool, stat) (epcluster_eplb_balancedness_ratio{K})",
+                        "{{pool}} {{stat}}",
+                    )
+                ],
+            ),
+            panel(
+                "Rebalances",
+                "short",
+                "Rebalances by outcome (increase).",
+                [
+                    q(
+                        f"sum by (pool, outcome) (increase(epcluster_eplb_rebalances_total{K}"
+                        f"[{RI}]))",
+                        "{{pool}} {{outcome}}",
+                    )
+                ],
+            ),
+            panel(
+                "Rebalance duration",
+                "s",
+                "p50 / p99 from request to the last layer switched.",
+                quantiles("epcluster_eplb_rebalance_duration_seconds", K, "pool"),
+            ),
+            panel(
+                "Weights moved",
+                "Bps",
+                "Expert weight bytes per second moved by rebalances.",
+                [
+                    q(
+                        f"sum by (pool) (rate(epcluster_eplb_weight_bytes_moved_total{K}[{RI}]))",
+                        "{{pool}}",
+                    )
+                ],
+            ),
+            panel(
+                "All-to-all time",
+                "s",
+                "p50 / p99 of one dispatch or combine.",
+                quantiles("epcluster_alltoall_duration_seconds", K, "phase"),
+            ),
+            panel(
+                "Exposed communication",
+                "percentunit",
+                "Share of wall time spent waiting on the all-to-all, by phase.",
+                [
+                    q(
+                        f"sum by (pool, phase) (rate(epcluster_alltoall_exposed_seconds_total{K}"
+                        f"[{RI}]))",
+                        "{{pool}} {{phase}}",
+                    )
+                ],
+            ),
+            panel(
+                "Two-batch overlap",
+                "short",
+                "Steps per second with and without the overlap.",
+                [
+                    q(
+                        f"sum by (pool, overlapped) (rate(epcluster_tbo_steps_total{K}[{RI}]))",
+                        "{{pool}} overlapped={{overlapped}}",
+                    )
+                ],
+            ),
+            panel(
+                "All-to-all bytes",
+                "Bps",
+                "Bytes per second sent by the all-to-alls.",
+                [
+                    q(
+                        f"sum by (pool, phase) (rate(epcluster_alltoall_bytes_total{K}[{RI}]))",
+                        "{{pool}} {{phase}}",
+                    )
+                ],
+            ),
+            panel(
+                "Routed tokens per rank",
+                "short",
+                "Tokens routed to each rank's experts per second (a straggler's load).",
+                [
+                    q(
+                        f"sum by (pool, rank) (rate(epcluster_routed_tokens_total{K}[{RI}]))",
+                        "{{pool}} {{rank}}",
+                    )
+                ],
+                kind="heatmap",
+            ),
+        ],  # fmt: skip
+        annotations=[rebalances],
+    )
+
+
+DASHBOARDS = {"overview": overview, "pools": pools, "kv-transfer": kv_transfer, "moe": moe}

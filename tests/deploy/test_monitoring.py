@@ -1,0 +1,104 @@
+"""The monitoring files: generated ones equal what deploy/monitoring/generate.py builds and pass
+its checks (which catch a bad panel), the rules pass `promtool check rules` and `promtool test
+rules` (a firing and a silent case for every alert), the PrometheusRule carries exactly the
+plain rule file's groups, and the scrape configuration passes `promtool check config`."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.monitoring import generate
+from tests.prometheus import REPO, binary, promtool
+
+MONITORING = REPO / "deploy" / "monitoring"
+
+pytestmark = pytest.mark.skipif(
+    binary("promtool") is None, reason="promtool missing: run `make prometheus`"
+)
+
+
+def test_generated_files_are_current_and_pass_the_checks():
+    assert generate.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("expr", "expected"),
+    [
+        ("sum(rate(epcluster_no_such_metric_total[$__rate_interval]))", "unknown metric"),
+        ("sum(epcluster_requests_total)", "counter epcluster_requests_total outside rate"),
+        ("sum(rate(epcluster_requests_total[5m]))", "use [$__rate_interval]"),
+    ],
+)
+def test_the_check_catches_a_bad_panel(expr, expected):
+    board = json.loads((MONITORING / "dashboards" / "overview.json").read_text())
+    assert generate.problems({"overview": board}) == []
+    found = generate.problems({"overview": generate.with_panel(board, expr)})
+    assert any(expected in p for p in found), found
+
+
+def test_the_check_catches_a_hard_coded_datasource():
+    board = json.loads((MONITORING / "dashboards" / "pools.json").read_text())
+    board["panels"][0]["datasource"] = {"type": "prometheus", "uid": "abc123"}
+    del board["panels"][1]["description"]
+    found = generate.problems({"pools": board})
+    assert any("datasource is not" in p for p in found), found
+    assert any("no description" in p for p in found), found
+
+
+def test_promtool_checks_the_rules_and_runs_a_test_per_alert():
+    check = promtool("check", "rules", str(MONITORING / "rules.yml"))
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = yaml.safe_load((MONITORING / "tests" / "alerts.test.yml").read_text())["tests"]
+    alerts = {r["alert"] for g in generate.rule_groups() for r in g["rules"]}
+    for case in ("firing", "silent"):
+        assert {t["name"] for t in tests if t["name"].endswith(case)} == {
+            f"{a} {case}" for a in alerts
+        }
+    run = promtool("test", "rules", str(MONITORING / "tests" / "alerts.test.yml"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "SUCCESS" in run.stdout + run.stderr
+
+
+def test_a_broken_threshold_fails_its_unit_test(tmp_path):
+    """The unit tests can fail: with one alert's threshold moved, promtool reports it."""
+    rules = yaml.safe_load((MONITORING / "rules.yml").read_text())
+    for group in rules["groups"]:
+        for r in group["rules"]:
+            if r["alert"] == "EpclusterKVCacheFull":
+                r["expr"] = r["expr"].replace("0.95", "0.98")
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    tests = yaml.safe_load((MONITORING / "tests" / "alerts.test.yml").read_text())
+    tests["rule_files"] = [str(tmp_path / "rules.yml")]
+    (tmp_path / "t.yml").write_text(yaml.safe_dump(tests))
+    run = promtool("test", "rules", str(tmp_path / "t.yml"))
+    assert run.returncode != 0
+    assert "EpclusterKVCacheFull firing" in run.stdout + run.stderr
+
+
+def test_the_prometheusrule_holds_the_rule_files_groups():
+    rule = yaml.safe_load((MONITORING / "prometheusrule.yaml").read_text())
+    plain = yaml.safe_load((MONITORING / "rules.yml").read_text())
+    assert rule["kind"] == "PrometheusRule" and rule["spec"]["groups"] == plain["groups"]
+    for group in plain["groups"]:
+        for r in group["rules"]:
+            assert r["labels"]["severity"] in ("warning", "critical")
+            assert {"summary", "description", "runbook_url"} <= set(r["annotations"])
+
+
+def test_promtool_checks_the_scrape_configuration():
+    run = promtool("check", "config", str(MONITORING / "prometheus.yml"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["http_sd_configs"][0]["url"].endswith("/sd/targets")
+    assert "static_configs" not in job  # discovered, not a hand-typed list
+
+
+def test_grafana_provisioning_points_at_prometheus():
+    ds = yaml.safe_load((MONITORING / "grafana" / "datasource.yaml").read_text())
+    assert ds["datasources"][0]["type"] == "prometheus"
+    providers = yaml.safe_load((MONITORING / "grafana" / "dashboards.yaml").read_text())
+    assert providers["providers"][0]["type"] == "file"
+    assert Path(providers["providers"][0]["options"]["path"]).is_absolute()
