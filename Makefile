@@ -9,7 +9,7 @@ PROMPT ?= A class
 PROM_DIR := $(VENV)/prometheus
 PROMETHEUS := $(PROM_DIR)/usr/bin/prometheus
 
-.PHONY: install run generate test lint proto clean prometheus
+.PHONY: install run generate test lint proto clean prometheus multinode-demo
 
 install: $(STAMP)
 
@@ -38,6 +38,9 @@ $(PROMETHEUS):
 
 test: install prometheus
 	$(PY) -m pytest -q
+
+multinode-demo: install  # three Ray nodes as network namespaces on this machine (root)
+	$(PY) -m deploy.multinode_demo
 
 proto: install  # regenerate router/proto/*_pb2*.py from epcluster.proto
 	PYTHON=$(PY) router/proto/generate.sh

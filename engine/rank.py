@@ -65,6 +65,24 @@ def rendezvous_store(rdzv: Rendezvous, world_size: int, rank: int, timeout_s: fl
     )
 
 
+def interface_of(addr: str) -> str | None:
+    """The name of the network interface that holds IPv4 address `addr` (Linux), or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
+            except OSError:  # no IPv4 address on it
+                continue
+            if got == addr:
+                return name
+    return None
+
+
 def _family(addr: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in addr else socket.AF_INET
 
@@ -115,16 +133,20 @@ class Rank(abc.ABC):
         """Join the pool's process group (every rank of the pool calls this at once), load this
         rank's experts, and start stepping."""
         self._aio = asyncio.get_running_loop()
-        await asyncio.to_thread(self._join, rdzv, kv_rdzv)
+        await asyncio.to_thread(self._join, rdzv, kv_rdzv, node_addr)
         self._serve_metrics(node_addr)
         return self.status()
 
-    def _join(self, rdzv: Rendezvous, kv_rdzv: Rendezvous | None) -> None:
+    def _join(self, rdzv: Rendezvous, kv_rdzv: Rendezvous | None, node_addr: str) -> None:
         c = self.config
         torch.set_num_threads(c.torch_threads)
+        # NOTE: gloo otherwise binds to the address the host name resolves to, which in
+        # containers and network namespaces is often 127.0.x.1: peers on other nodes then dial
+        # their own loopback. An operator's GLOO_SOCKET_IFNAME wins.
+        ifname = "lo" if rdzv.addr.startswith("127.") else interface_of(node_addr)
+        if ifname is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         if c.num_ranks > 1:
-            if rdzv.addr.startswith("127."):
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback
             store = rendezvous_store(rdzv, c.num_ranks, c.rank, c.dist_timeout_s)
             dist.init_process_group(
                 c.dist_backend,
