@@ -180,7 +180,10 @@ class Cluster:
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
             ray_constants.ENABLE_RAY_CLUSTER = False
             ranks = c.prefill.num_ranks + c.decode.num_ranks
+            # NOTE: address "local": with none, ray.init joins the cluster a `ray start` on
+            # this machine last wrote to /tmp/ray/ray_current_cluster (even a dead one).
             ray.init(
+                address="local",
                 num_cpus=max(os.cpu_count() or 1, ranks * c.cpus_per_rank),
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",

@@ -7,11 +7,13 @@ namespace (killed by namespace, never by name: `ray stop` would stop every Ray o
 the namespaces, the veth pairs and the bridge.
 """
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -154,6 +156,11 @@ class Nodes:
                     time.sleep(2)
         for ns in self.names:
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+        # `ray start --head` left its address for `ray.init()` without one to find: remove it
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(OSError):
+            if current.read_text().strip() == self.ray_address:
+                current.unlink()
         subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)
         self.names = []
 
