@@ -1,9 +1,8 @@
 """The router's gRPC edge: the epcluster.v1.Inference service on grpc.aio, plus the standard
 health service (NOT_SERVING until the backend is ready) and server reflection.
 
-Generate: validate (INVALID_ARGUMENT), admit (RESOURCE_EXHAUSTED), stream the backend's deltas.
-Whatever ends the stream early (client cancel, deadline, a backend failure) aborts the request in
-the backend so its KV blocks are freed, and the admission slot is always released.
+Generate: validate (INVALID_ARGUMENT), then router/frontend.py's request path (admission,
+readiness, streaming, aborts on early ends), its refusals as gRPC statuses.
 """
 
 import asyncio
@@ -17,13 +16,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.messages import GenerateRequest, RequestOutput
 from router import convert
 from router.admission import Admission, AdmissionConfig
 from router.auth import ServerSecurity
-from router.backend import Backend, Overloaded, Unavailable
+from router.backend import Backend, Unavailable
+from router.frontend import Frontend, Refused
 from router.grpc_service import add_service
-from router.metrics import RequestTimer, RouterMetrics
+from router.metrics import RouterMetrics
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
 
@@ -38,31 +37,19 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(
-        self,
-        backend: Backend,
-        admission: Admission,
-        ready_wait_s: float = 30.0,
-        metrics: RouterMetrics | None = None,
-    ) -> None:
-        self.backend = backend
-        self.admission = admission
-        self.metrics = metrics
-        self.ready_wait_s = ready_wait_s  # a request waits this long for a backend not ready
-        self.draining = False  # stopping: new requests are refused, streams in flight go on
-        self.in_flight: set[str] = set()  # request ids with an open stream on this router
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.backend = frontend.backend
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         start = time.monotonic()
-        if self.draining:
-            self._refused(grpc.StatusCode.UNAVAILABLE, "draining")
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "this router is shutting down: retry (on another router)",
-                trailing_metadata=((RETRY_PUSHBACK, "1000"),),
-            )
+        if self.frontend.draining:  # before parsing: a router that stops answers at once
+            await _abort(context, self.frontend.refuse(
+                "UNAVAILABLE", "this router is shutting down: retry (on another router)",
+                "draining", retry=1.0,
+            ))  # fmt: skip
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
         try:
@@ -70,108 +57,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 request, self.backend.tokenizer, self.backend.prompt_limits(), deadline
             )
         except ValueError as e:
-            self._refused(_INVALID)
-            await context.abort(_INVALID, str(e))
-        if req.request_id in self.in_flight:
-            self._refused(_INVALID)
-            await context.abort(
-                _INVALID, f"request_id {req.request_id!r} is already in flight: use a unique id"
-            )
-        num_tokens = len(req.prompt_token_ids)
-        refusal = self.admission.try_admit(num_tokens)
-        if refusal is not None:
-            self._refused(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.kind)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refusal))
-        # NOTE: no await between the duplicate check and here, so two streams cannot both pass.
-        self.in_flight.add(req.request_id)
-        timer = None
-        if self.metrics is not None:
-            timer = self.metrics.request(start)
-            self.metrics.child("epcluster_prompt_tokens_total").inc(num_tokens)
-        last: RequestOutput | None = None
+            await _abort(context, self.frontend.refuse("INVALID_ARGUMENT", str(e)))
+        sent = False
         try:
-            error = await self._wait_ready(req.deadline)
-            if error is None:
-                error, last = await self._stream(req, context, start, timer)
-        except asyncio.CancelledError:  # the client cancelled, or gRPC's deadline passed
-            if timer is not None:
-                timer.finish("abort", "DEADLINE_EXCEEDED" if _past(req.deadline) else "CANCELLED")
-            raise
-        finally:
-            self.in_flight.discard(req.request_id)
-            self.admission.release(num_tokens)
-        if timer is not None:
-            if error is None:
-                timer.finish(last.finish_reason, "OK", last.num_cached_tokens)
-            else:
-                aborted = error[0] == grpc.StatusCode.DEADLINE_EXCEEDED
-                timer.finish("abort" if aborted else "error", error[0].name)
-        if error is not None:
-            code, message = error
-            pushback = ((RETRY_PUSHBACK, "2000"),) if code == grpc.StatusCode.UNAVAILABLE else ()
-            await context.abort(code, message, trailing_metadata=pushback)
-
-    async def _wait_ready(self, deadline: float | None) -> Status | None:
-        """Wait (within the deadline and ready_wait_s) for a backend that is starting or
-        recovering; -> UNAVAILABLE with a retry hint if it does not get ready."""
-        end = time.monotonic() + self.ready_wait_s
-        if deadline is not None:
-            end = min(end, time.monotonic() + deadline - time.time())
-        while not self.backend.ready():
-            if time.monotonic() >= end:
-                if _past(deadline):
-                    return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: not ready yet"
-                return (
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the cluster is not ready (starting, or re-forming a pool after a rank "
-                    "failure): retry in a few seconds",
-                )
-            await asyncio.sleep(0.05)
-        return None
-
-    async def _stream(
-        self,
-        req: GenerateRequest,
-        context: grpc.aio.ServicerContext,
-        start: float,
-        timer: RequestTimer | None,
-    ) -> tuple[Status | None, RequestOutput | None]:
-        """Write the backend's deltas; -> the status to fail the RPC with (if any), and the
-        last delta."""
-        finished = sent = written = False
-        out = None
-        try:
-            async with contextlib.aclosing(self.backend.generate(req)) as deltas:
+            async with contextlib.aclosing(self.frontend.generate(req, start)) as deltas:
                 async for out in deltas:
                     ttft = None
                     if out.token_ids and not sent:
                         ttft, sent = time.monotonic() - start, True
                     await context.write(convert.output_to_proto(out, ttft))
-                    if timer is not None:
-                        timer.tokens(len(out.token_ids))
-                    written = True
-                    finished = out.finished
-            if not finished:
-                error = grpc.StatusCode.INTERNAL, "the backend ended the stream without a finish"
-                return error, out
-            if out.finish_reason == "abort" and _past(req.deadline):
-                # The backend enforced the deadline a moment before gRPC did: same status.
-                return (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded: aborted"), out
-        except asyncio.CancelledError:  # client cancel or deadline: the finally aborts
-            raise
-        except Exception as e:
-            return _status_of(req, e, written), out
-        finally:
-            if not finished:  # free the request's KV blocks, even while being cancelled
-                try:
-                    await asyncio.shield(self.backend.abort(req.request_id))
-                except Exception:
-                    log.exception("aborting request %s failed", req.request_id)
-        return None, out
-
-    def _refused(self, code: grpc.StatusCode, admission: str | None = None) -> None:
-        if self.metrics is not None:
-            self.metrics.refused(code.name, admission)
+        except Refused as e:
+            await _abort(context, e)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -205,27 +101,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> pb.ClusterStatus:
         await _reject_unknown_fields(request, context)
         status = await self.backend.status()
-        status.num_queued = self.admission.num_requests
-        status.num_queued_tokens = self.admission.num_tokens
+        status.num_queued = self.frontend.admission.num_requests
+        status.num_queued_tokens = self.frontend.admission.num_tokens
         return convert.cluster_status_to_proto(status)
 
 
-def _status_of(req: GenerateRequest, e: Exception, written: bool) -> Status:
-    """The status a backend failure gets. The message is one line: the full traceback (and any
-    remote one) goes to the log, never to the client."""
-    cause = (str(e).strip().splitlines() or [""])[0][:300]
-    if isinstance(e, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, cause
-    if isinstance(e, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE, cause
-    if isinstance(e, ValueError) and not written:  # refused as given, before any delta
-        return _INVALID, cause
-    log.error("request %s failed", req.request_id, exc_info=e)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {cause}"
-
-
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.time() >= deadline
+async def _abort(context: grpc.aio.ServicerContext, e: Refused) -> None:
+    """End the call with the refusal's status (and a retry hint where it has one)."""
+    hint = () if e.retry_after_s is None else ((RETRY_PUSHBACK, str(int(e.retry_after_s * 1e3))),)
+    await context.abort(grpc.StatusCode[e.status], e.message, trailing_metadata=hint)
 
 
 async def _reject_unknown_fields(request: object, context: grpc.aio.ServicerContext) -> None:
@@ -253,7 +137,8 @@ class RouterServer:
         self.security = security or ServerSecurity()
         self.host = host
         self.ready_poll_s = ready_poll_s
-        self.servicer = InferenceServicer(backend, Admission(admission), ready_wait_s, metrics)
+        self.frontend = Frontend(backend, Admission(admission), ready_wait_s, metrics)
+        self.servicer = InferenceServicer(self.frontend)
         self._serving = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router", daemon=True)
@@ -276,7 +161,7 @@ class RouterServer:
 
     def drain(self) -> None:
         """Refuse new requests from now on (streams in flight go on); stop() finishes."""
-        self.servicer.draining = True
+        self.frontend.draining = True
 
     def stop(self, grace: float | None = 1.0, then: Coroutine | None = None) -> None:
         """Drain and stop: health goes NOT_SERVING, new calls are refused, in-flight streams get
@@ -344,7 +229,7 @@ class RouterServer:
             await asyncio.sleep(self.ready_poll_s)
 
     async def _stop(self, grace: float | None) -> None:
-        self.servicer.draining = True
+        self.frontend.draining = True
         self._poll.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._poll
@@ -354,7 +239,7 @@ class RouterServer:
         # this servicer's UNAVAILABLE with a retry hint: grpc's own stop(grace) would refuse it
         # with CANCELLED, which clients do not retry.
         end = time.monotonic() + (grace or 0.0)
-        while self.servicer.in_flight and time.monotonic() < end:
+        while self.frontend.in_flight and time.monotonic() < end:
             await asyncio.sleep(0.05)
         await self._server.stop(0)  # what is still in flight is cancelled (and aborted)
 
