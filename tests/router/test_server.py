@@ -422,7 +422,7 @@ def test_health_is_not_serving_until_the_backend_is_ready():
             assert "retry in a few seconds" in err.value.details()
             assert ("grpc-retry-pushback-ms", "2000") in err.value.trailing_metadata()
 
-            server.servicer.ready_wait_s = 30.0  # a request now waits for the backend
+            server.frontend.ready_wait_s = 30.0  # a request now waits for the backend
             waiting = c.generate([5, 6], QUICK)
             time.sleep(0.2)
             local.start()
