@@ -73,6 +73,7 @@ def main() -> None:
         None,
         model=args.model,
         port=0,
+        http_port=0,
         metrics_port=0,  # beside a running epcluster
         rank_metrics_port=0,
         prefill_ranks=2,

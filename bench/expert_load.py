@@ -34,7 +34,9 @@ def main() -> None:
     from cluster.plots import draw_expert_load
     from router.client import AsyncInferenceClient, InferenceClient
 
-    config = ClusterConfig.load(None, model="tiny", port=0, metrics_port=0, rank_metrics_port=0)
+    config = ClusterConfig.load(
+        None, model="tiny", port=0, http_port=0, metrics_port=0, rank_metrics_port=0
+    )
     with Cluster(config) as cluster:
 
         async def run() -> None:

@@ -192,6 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         kv_transport=args.kv_transport,
         drain_timeout_s=args.drain_timeout,
+        http_port=args.http_port,
         metrics_port=args.metrics_port,
         rank_metrics_port=args.rank_metrics_port,
         auth_token_file=args.auth_token_file,
@@ -228,7 +229,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(
             f"epcluster: ready on {cluster.address} (gRPC epcluster.v1.Inference; "
-            f"try: epcluster generate --target {cluster.address} --prompt 'A class')",
+            f"try: epcluster generate --target {cluster.address} --prompt 'A class')"
+            + (
+                f"; OpenAI HTTP on http://{cluster.http_address}/v1" if cluster.http_address else ""
+            ),
             flush=True,
         )
         stop.wait()
@@ -287,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--drain-timeout", type=float, help="seconds in-flight streams get on SIGTERM / Ctrl-C"
     )
+    serve.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP (0: any free port)")
     serve.add_argument("--metrics-port", type=int, help="router /metrics and /sd/targets (0: any)")
     serve.add_argument("--rank-metrics-port", type=int, help="first port of the ranks' /metrics")
     serve.add_argument("--auth-token-file", help="require this bearer token from gRPC clients")

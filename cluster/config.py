@@ -108,6 +108,7 @@ class ClusterConfig:
     enable_prefix_caching: bool = True
     host: str = "127.0.0.1"  # gRPC
     port: int = 50051
+    http_port: int | None = 8000  # OpenAI-compatible HTTP on `host` (0: any; null: off)
     metrics_port: int | None = 9400  # the router's /metrics and /sd/targets (0: any; null: off)
     rank_metrics_port: int | None = 9401  # a rank's /metrics: first port tried on its node
     # gRPC security (README "Security"): a bearer token, TLS, and mutual TLS with a client CA
@@ -162,6 +163,11 @@ class ClusterConfig:
             + [
                 (self.block_size >= 1, "block_size", "must be >= 1"),
                 (0 <= self.port < 65536, "port", "must be in [0, 65536)"),
+                (
+                    self.http_port is None or 0 <= self.http_port < 65536,
+                    "http_port",
+                    "must be null or in [0, 65536)",
+                ),
                 (
                     self.metrics_port is None or 0 <= self.metrics_port < 65536,
                     "metrics_port",

@@ -3,11 +3,13 @@
 import asyncio
 import contextlib
 import glob
+import json
 import logging
 import os
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import ray
 from ray._private import ray_constants
@@ -27,6 +29,15 @@ from router.pools import HealthConfig
 from router.server import RouterServer, serve
 
 log = logging.getLogger(__name__)
+
+
+def chat_template(checkpoint) -> str | None:
+    """The checkpoint's chat template (tokenizer_config.json, as transformers reads it)."""
+    config = Path(checkpoint) / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    template = json.loads(config.read_text()).get("chat_template")
+    return template if isinstance(template, str) else None
 
 
 class Cluster:
@@ -96,6 +107,11 @@ class Cluster:
                     c.auth_token_file, c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file
                 ),
             )
+            if c.http_port is not None:
+                port = self.server.serve_http(
+                    c.http_port, c.model, self.metrics.registry, chat_template(path)
+                )
+                log.info("OpenAI-compatible HTTP on http://%s:%d/v1", c.host, port)
             self.server.call(asyncio.wait_for(self._start_pools(), c.start_timeout_s))
             if not self.server.wait_ready(30):
                 raise RuntimeError("the pools started but the router never became ready")
@@ -104,6 +120,13 @@ class Cluster:
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the OpenAI-compatible HTTP server, if it runs."""
+        if self.server is None or self.server.http_port is None:
+            return None
+        return f"{self.config.host}:{self.server.http_port}"
 
     def _serve_metrics(self) -> None:
         """The router's /metrics, and /sd/targets: Prometheus HTTP service discovery of every

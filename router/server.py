@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +26,9 @@ from router.grpc_service import add_service
 from router.metrics import RouterMetrics
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +139,8 @@ class RouterServer:
     ) -> None:
         self.backend = backend
         self.security = security or ServerSecurity()
+        self._http = self._http_task = None  # OpenAI HTTP, when serve_http() started it
+        self.http_port: int | None = None
         self.host = host
         self.ready_poll_s = ready_poll_s
         self.frontend = Frontend(backend, Admission(admission), ready_wait_s, metrics)
@@ -177,6 +183,24 @@ class RouterServer:
                 self._run(then)
         finally:
             self._close_loop()
+
+    def serve_http(
+        self,
+        port: int,
+        model_name: str,
+        registry: "CollectorRegistry | None" = None,
+        chat_template: str | None = None,
+    ) -> int:
+        """Also serve OpenAI-compatible HTTP on this router's host (router/openai_http.py), over
+        the same request path; -> the bound port (0 picks a free one)."""
+        from router import openai_http
+
+        token = self.security.token
+        app = openai_http.OpenAIServer(self.frontend, model_name, registry, chat_template, token)
+        self._http, self._http_task, self.http_port = self._run(
+            openai_http.start(app.app, self.host, port)
+        )
+        return self.http_port
 
     def call(self, coro: object) -> object:
         """Run a coroutine on the server's event loop (e.g. starting a backend) and wait."""
@@ -242,6 +266,9 @@ class RouterServer:
         while self.frontend.in_flight and time.monotonic() < end:
             await asyncio.sleep(0.05)
         await self._server.stop(0)  # what is still in flight is cancelled (and aborted)
+        if self._http is not None:
+            self._http.should_exit = True
+            await asyncio.wait_for(self._http_task, 30)
 
     def _run(self, coro: object) -> object:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

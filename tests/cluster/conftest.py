@@ -27,7 +27,13 @@ def wait_quiet(client: InferenceClient, timeout: float = 20.0):
 
 
 def make_cluster(**overrides) -> Cluster:
-    defaults = {"port": 0, "metrics_port": 0, "rank_metrics_port": 0, "model": "tiny-random"}
+    defaults = {
+        "port": 0,
+        "http_port": 0,
+        "metrics_port": 0,
+        "rank_metrics_port": 0,
+        "model": "tiny-random",
+    }
     return Cluster(ClusterConfig.load(None, **{**defaults, **overrides}))
 
 

@@ -26,7 +26,7 @@ def test_sigterm_drains_the_streams_in_flight():
     serve = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)]
         + ["--prefill-ranks", "1", "--decode-ranks", "1", "--drain-timeout", "120"]
-        + ["--metrics-port", "0", "--rank-metrics-port", "0"],
+        + ["--metrics-port", "0", "--rank-metrics-port", "0", "--http-port", "0"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

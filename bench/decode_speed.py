@@ -1,0 +1,141 @@
+"""Decode speed of one engine (issue 12's method, llama.cpp's `llama-batched-bench -npp 128
+-ntg 128 -npl 1,8,32`): B requests of 128 random prompt tokens, 128 greedy output tokens each
+(ignore_eos), decode tok/s = B x 127 / decode time (from every request having its first token to
+the last token); prefill tok/s of the B x 128 prompt tokens. Beside them: the machine's measured
+read bandwidth, and at each batch the roofline of a decode step: the bytes it must read (every
+dense weight, and the routed experts the step actually used, each once, as counted by the
+dispatchers) over that bandwidth.
+
+    .venv/bin/python -m bench.decode_speed [--model small] [--batches 1 8 32] [--threads 2]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.common import record, workload
+from engine import EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second a sum over a large fp32 tensor reads (best of `repeats`)."""
+    x = torch.ones(int(gib * 2**28))
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(repeats))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_bytes(model) -> tuple[int, int, int]:
+    """(dense bytes read per step (all but the routed experts and the embedding), bytes of one
+    routed expert, number of MoE layers)."""
+    expert_params = dense = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            expert_params += p.numel() * p.element_size()
+        elif "embed_tokens" not in name:
+            dense += p.numel() * p.element_size()
+    layers = list(model.moe_layers())
+    per_expert = expert_params // sum(len(m.experts.expert_ids) for m in layers)
+    return dense, per_expert, len(layers)
+
+
+def used_experts(model) -> list[int]:
+    """The slots each MoE layer's dispatcher has counted any token for (since the last reset)."""
+    return [int((m.dispatcher.load > 0).sum()) for m in model.moe_layers()]
+
+
+def reset_load(model) -> None:
+    for m in model.moe_layers():
+        m.dispatcher.load = None
+
+
+def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int) -> dict:
+    requests = workload(batch, (128, 128), (128, 128), vocab, seed)
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, (prompt, _) in enumerate(requests):
+        engine.add_request(f"{seed}-{i}", prompt, params)
+    tokens = {f"{seed}-{i}": 0 for i in range(batch)}
+    first_all = None
+    decode_steps, experts_per_step = [], []
+    while engine.has_unfinished():
+        if first_all is not None:
+            reset_load(engine.model)
+        t0 = time.perf_counter()
+        out = engine.step().outputs
+        t1 = time.perf_counter()
+        for delta in out:
+            tokens[delta.request_id] += len(delta.token_ids)
+        if first_all is not None:
+            decode_steps.append(t1 - t0)
+            experts_per_step.append(sum(used_experts(engine.model)))
+        elif all(tokens.values()):
+            first_all = t1
+    end = time.perf_counter()
+    assert all(n == 128 for n in tokens.values()), tokens
+    return {
+        "prefill_s": first_all - start,
+        "decode_s": end - first_all,
+        "decode_step_ms_median": statistics.median(decode_steps) * 1e3,
+        "experts_used_per_step": statistics.median(experts_per_step),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--name", default=None, help="result file name (default decode_speed_MODEL)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = LLMEngine(
+        EngineConfig(model=args.model, max_num_seqs=64, max_num_batched_tokens=4096,
+                     enable_prefix_caching=False)
+    )  # fmt: skip
+    vocab = engine.model.config.vocab_size
+    bandwidth = read_bandwidth()
+    dense, per_expert, num_moe = weight_bytes(engine.model)
+    run_batch(engine, 2, vocab, seed=999)  # warm-up
+    rows = {}
+    for batch in args.batches:
+        runs = [run_batch(engine, batch, vocab, seed=batch * 10 + r) for r in range(args.repeats)]
+        decode = [batch * 127 / r["decode_s"] for r in runs]
+        prefill = [batch * 128 / r["prefill_s"] for r in runs]
+        step_ms = statistics.median(r["decode_step_ms_median"] for r in runs)
+        experts = statistics.median(r["experts_used_per_step"] for r in runs)
+        roofline_s = (dense + experts * per_expert) / bandwidth
+        rows[str(batch)] = {
+            "decode_tok_s": [round(x, 1) for x in decode],
+            "prefill_tok_s": [round(x, 1) for x in prefill],
+            "decode_step_ms": round(step_ms, 1),
+            "experts_used_per_step": experts,
+            "experts_per_moe_layer": round(experts / num_moe, 1),
+            "roofline_step_ms": round(roofline_s * 1e3, 1),
+            "roofline_tok_s": round(batch / roofline_s, 1),
+            "fraction_of_roofline": round(roofline_s * 1e3 / step_ms, 3),
+        }
+        print(batch, rows[str(batch)], flush=True)
+    result = {
+        "model": args.model,
+        "threads": args.threads,
+        "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "dense_weight_mb": round(dense / 1e6, 1),
+        "expert_mb": round(per_expert / 1e6, 2),
+        "batches": rows,
+    }
+    print(record(args.name or f"decode_speed_{args.model}", result))
+
+
+if __name__ == "__main__":
+    main()
