@@ -103,6 +103,8 @@ class Cluster:
                 admission=AdmissionConfig(c.max_queued_requests, c.max_queued_tokens),
                 ready_wait_s=c.recovery_wait_s,
                 metrics=self.metrics,
+                model_name=c.model,
+                checkpoint=path,
                 security=ServerSecurity.from_files(
                     c.auth_token_file, c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file
                 ),

@@ -28,11 +28,14 @@ from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "epcluster.v1.Inference"
+VLLM_SERVICE_NAME = "vllm.grpc.engine.VllmEngine"  # router/vllm_grpc.py
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 RETRY_PUSHBACK = "grpc-retry-pushback-ms"  # how long a client should wait before a retry
 Status = tuple[grpc.StatusCode, str]
@@ -136,6 +139,8 @@ class RouterServer:
         ready_wait_s: float,
         metrics: RouterMetrics | None = None,
         security: ServerSecurity | None = None,
+        model_name: str | None = None,
+        checkpoint: "Path | None" = None,
     ) -> None:
         self.backend = backend
         self.security = security or ServerSecurity()
@@ -145,6 +150,12 @@ class RouterServer:
         self.ready_poll_s = ready_poll_s
         self.frontend = Frontend(backend, Admission(admission), ready_wait_s, metrics)
         self.servicer = InferenceServicer(self.frontend)
+        self.vllm = None  # vLLM's engine protocol, when the served model is named
+        if model_name is not None:
+            from router.vllm_grpc import VllmEngineServicer
+
+            self.vllm = VllmEngineServicer(self.frontend, model_name, checkpoint)
+        self.services = [SERVICE_NAME] + ([VLLM_SERVICE_NAME] if self.vllm else [])
         self._serving = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router", daemon=True)
@@ -220,11 +231,15 @@ class RouterServer:
             interceptors=self.security.interceptors(), options=[("grpc.so_reuseport", 0)]
         )
         add_service(self._server, self.servicer, pb.DESCRIPTOR.services_by_name["Inference"])
+        if self.vllm is not None:
+            from router.vllm_grpc import SERVICE
+
+            add_service(self._server, self.vllm, SERVICE)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        names = (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self._server)
-        for service in ("", SERVICE_NAME):
+        for service in ("", *self.services):
             await self._health.set(service, _NOT_SERVING)
         bracketed = f"[{host}]" if ":" in host else host
         credentials = self.security.credentials()
@@ -247,7 +262,7 @@ class RouterServer:
             if ready != serving:
                 serving = ready
                 status = _SERVING if ready else _NOT_SERVING
-                for service in ("", SERVICE_NAME):
+                for service in ("", *self.services):
                     await self._health.set(service, status)
                 (self._serving.set if ready else self._serving.clear)()
             await asyncio.sleep(self.ready_poll_s)
@@ -289,10 +304,13 @@ def serve(
     ready_wait_s: float = 30.0,
     metrics: RouterMetrics | None = None,
     security: ServerSecurity | None = None,
+    model_name: str | None = None,
+    checkpoint: "Path | None" = None,
 ) -> RouterServer:
     """Start the router on host:port (0 picks a free port: see .port) and return it. Health is
     NOT_SERVING until backend.ready(); `wait_ready()` blocks until then. `security`: TLS and a
-    bearer token (router/auth.py); plaintext and open by default."""
+    bearer token (router/auth.py); plaintext and open by default. With `model_name` (and the
+    `checkpoint` directory, for GetTokenizer), vLLM's engine protocol is served too."""
     return RouterServer(
         backend,
         host,
@@ -302,4 +320,6 @@ def serve(
         ready_wait_s,
         metrics,
         security,
+        model_name,
+        checkpoint,
     )
