@@ -85,7 +85,9 @@ def paged_latent_attention_ref(
     beyond = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]  # [B, J]
     # NOTE: rows past a sequence's end are stale or uninitialised (maybe NaN): zero them, since
     # a zero probability times NaN is still NaN.
-    kv = kv_cache.view(-1, width)[slots].float().masked_fill_(beyond[..., None], 0.0)  # [B, J, C]
+    # NOTE: index_select, not advanced indexing: on CPU it gathers the rows several times faster.
+    flat = kv_cache.view(-1, width).index_select(0, slots.view(-1)).view(num_seqs, max_len, width)
+    kv = flat.float().masked_fill_(beyond[..., None], 0.0)  # [B, J, C]
     scores = torch.einsum("nhc,nlc->nhl", q.float(), kv) * scale  # [B, NH, J]
     scores.masked_fill_(beyond[:, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)

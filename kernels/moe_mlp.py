@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import fp32_dot, jit, tl, triton, use_triton
+from kernels.linear import linear
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_scale_inv block (moe/fp8.py)
 
@@ -67,8 +68,9 @@ def grouped_expert_mlp_ref(
         if n == 0:
             continue
         rows = x[start : start + n]  # [n, H]
-        # NOTE: F.linear, not `rows @ w.t()`: on CPU the latter is up to 10x slower for few rows.
-        out[start : start + n] = F.linear(silu_and_mul(F.linear(rows, w13[slot])), w2[slot])
+        # NOTE: kernels.linear: for few rows on CPU, W @ rows.T reads the weights 1.2-1.8x faster
+        # than F.linear (and `rows @ w.t()` is up to 10x slower).
+        out[start : start + n] = linear(silu_and_mul(linear(rows, w13[slot])), w2[slot])
         start += n
     return out
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels.linear import Linear
 from kernels.mla_attention import causal_attention, gather_latent, paged_latent_attention
 from kernels.rotary import apply_rotary
 from moe.config import ModelConfig
@@ -62,17 +63,17 @@ class MLAttention(nn.Module):
         self.num_heads = c.num_attention_heads
         q_out = c.num_attention_heads * c.qk_head_dim
         if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
+            self.q_proj = Linear(c.hidden_size, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_cache_width, bias=False)
+            self.q_b_proj = Linear(c.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_cache_width, bias=False)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
         self.scale = c.softmax_scale
         self.w_uk: torch.Tensor | None = None  # [NH, Dn, Dc]
         self.w_uv: torch.Tensor | None = None  # [NH, Dv, Dc]

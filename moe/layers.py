@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.gate import grouped_topk
+from kernels.linear import Linear
 from kernels.moe_mlp import grouped_expert_mlp, silu_and_mul
 from kernels.rmsnorm import rms_norm
 from moe.config import ModelConfig
@@ -33,9 +34,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from kernels.linear import Linear
 from kernels.rotary import rope_cos_sin
 from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
@@ -79,7 +80,7 @@ class DeepseekForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekModel(config, experts)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
