@@ -12,14 +12,12 @@ vLLM's (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `seed`); fields epclus
 """
 
 import asyncio
-import contextlib
 import dataclasses
 import hmac
 import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import jinja2.sandbox
@@ -28,10 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine.messages import GenerateRequest, RequestOutput
+from engine.messages import GenerateRequest
 from engine.model_info import check_prompt
 from engine.sampling_params import MAX_SEED, SamplingParams
 from router.frontend import Frontend, Refused
+from router.openai_views import HTTP_STATUS, OpenAIView, error_body, gather
 
 # A plain template for checkpoints without one (the presets): role-tagged turns, then the
 # assistant's turn to continue.
@@ -39,23 +38,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": 400,
-    "RESOURCE_EXHAUSTED": 429,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-    "INTERNAL": 500,
-    "UNAUTHENTICATED": 401,
-}
-ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-    504: "timeout",
-    500: "internal_error",
-}
 UNSUPPORTED = {  # field: the value that means "not used"
     "presence_penalty": 0,
     "frequency_penalty": 0,
@@ -80,17 +62,6 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code=None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(status: int, message: str, param: str | None = None, code=None) -> dict:
-    return {
-        "error": {
-            "message": message,
-            "type": ERROR_TYPE.get(status, "error"),
-            "param": param,
-            "code": code if code is not None else status,
-        }
-    }
 
 
 def _refused_response(e: Refused) -> JSONResponse:
@@ -339,10 +310,10 @@ class OpenAIServer:
             for s in streams:
                 await s.aclose()
             raise
-        view = _View(self, ident, created, chat, body)
+        view = OpenAIView(self.model_name, self.backend.tokenizer, ident, created, chat, body)
         if not body.get("stream"):
             try:
-                outs = await asyncio.gather(*(_gather(f, s) for f, s in zip(firsts, streams)))
+                outs = await asyncio.gather(*(gather(f, s) for f, s in zip(firsts, streams)))
             finally:
                 for s in streams:
                     await s.aclose()
@@ -353,137 +324,6 @@ class OpenAIServer:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-
-
-class _View:
-    """OpenAI's JSON for one request's choices."""
-
-    def __init__(self, server: OpenAIServer, ident: str, created: int, chat: bool, body: dict):
-        self.server, self.ident, self.created, self.chat = server, ident, created, chat
-        self.top = body.get("top_logprobs") or 0 if chat else body.get("logprobs") or 0
-        self.tokenizer = server.backend.tokenizer
-
-    def _head(self, chunk: bool) -> dict:
-        kind = ("chat.completion" if self.chat else "text_completion") + (
-            ".chunk" if chunk and self.chat else ""
-        )
-        return {
-            "id": self.ident,
-            "object": kind,
-            "created": self.created,
-            "model": self.server.model_name,
-        }
-
-    def _logprobs(self, out: RequestOutput) -> dict | None:
-        if out.logprobs is None:
-            return None
-        word = lambda t: self.tokenizer.decode([t])
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": word(lp.token_id),
-                        "logprob": lp.logprob,
-                        "bytes": list(word(lp.token_id).encode()),
-                        "top_logprobs": [
-                            {"token": word(t), "logprob": v, "bytes": list(word(t).encode())}
-                            for t, v in lp.top
-                        ],
-                    }
-                    for lp in out.logprobs
-                ]
-            }
-        return {
-            "tokens": [word(lp.token_id) for lp in out.logprobs],
-            "token_logprobs": [lp.logprob for lp in out.logprobs],
-            "top_logprobs": [{word(t): v for t, v in lp.top} for lp in out.logprobs],
-            "text_offset": [],
-        }
-
-    def _choice(self, i: int, out: RequestOutput, delta: bool, first: bool = False) -> dict:
-        reason = out.finish_reason
-        if self.chat:
-            if delta:
-                d = {"role": "assistant", "content": out.text} if first else {"content": out.text}
-                body = {"delta": d if (out.text or first) else {}}
-            else:
-                body = {"message": {"role": "assistant", "content": out.text}}
-        else:
-            body = {"text": out.text}
-        return {"index": i, **body, "logprobs": self._logprobs(out), "finish_reason": reason}
-
-    @staticmethod
-    def _usage(outs: list[RequestOutput]) -> dict:
-        prompt = sum(o.num_prompt_tokens for o in outs)
-        done = sum(o.num_completion_tokens for o in outs)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": done,
-            "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
-        }
-
-    def whole(self, outs: list[RequestOutput]) -> dict:
-        return {
-            **self._head(False),
-            "choices": [self._choice(i, o, delta=False) for i, o in enumerate(outs)],
-            "usage": self._usage(outs),
-        }
-
-    async def sse(self, firsts, streams, usage: bool) -> AsyncIterator[str]:
-        queue: asyncio.Queue = asyncio.Queue()
-        latest: dict[int, RequestOutput] = {}
-
-        async def pump(i: int, first: RequestOutput, stream) -> None:
-            try:
-                await queue.put((i, first))
-                async for out in stream:
-                    await queue.put((i, out))
-            except Refused as e:
-                await queue.put((i, e))
-            finally:
-                await queue.put((i, None))
-
-        tasks = [
-            asyncio.create_task(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))
-        ]
-        started: set[int] = set()
-        try:
-            open_streams = len(tasks)
-            while open_streams:
-                i, item = await queue.get()
-                if item is None:
-                    open_streams -= 1
-                    continue
-                if isinstance(item, Refused):
-                    yield _event(
-                        error_body(
-                            HTTP_STATUS.get(item.status, 500), item.message, code=item.status
-                        )
-                    )
-                    continue
-                latest[i] = item
-                chunk = {
-                    **self._head(True),
-                    "choices": [self._choice(i, item, delta=True, first=i not in started)],
-                }
-                started.add(i)
-                if usage:
-                    chunk["usage"] = None
-                yield _event(chunk)
-            if usage:
-                yield _event(
-                    {**self._head(True), "choices": [], "usage": self._usage(list(latest.values()))}
-                )
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away, or the stream ended: end every request
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
-            for s in streams:
-                await s.aclose()
 
 
 async def start(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:
@@ -501,17 +341,6 @@ async def start(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asy
             raise RuntimeError(f"the HTTP server on {host}:{port} stopped at start")
         await asyncio.sleep(0.02)
     return server, task, server.servers[0].sockets[0].getsockname()[1]
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _gather(first: RequestOutput, stream) -> RequestOutput:
-    acc = first
-    async for out in stream:
-        acc = acc.merge(out)
-    return acc
 
 
 async def _json(request: Request) -> dict:
