@@ -87,10 +87,12 @@ class Frontend:
             await self._wait_ready(req.deadline)
             async with contextlib.aclosing(self.backend.generate(req)) as deltas:
                 async for last in deltas:
-                    if timer is not None:
-                        timer.tokens(len(last.token_ids))
                     finished = last.finished
                     yield last
+                    # NOTE: counted once the protocol has sent it (it asks for the next one):
+                    # a delta whose write failed (the client left) is not a token served.
+                    if timer is not None:
+                        timer.tokens(len(last.token_ids))
             if not finished:
                 raise Refused(INTERNAL, "the backend ended the stream without a finish")
             if last.finish_reason == "abort" and _past(req.deadline):
