@@ -11,6 +11,7 @@ Legend (kernels/__init__.py): N rows, K in features, M out features.
 """
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -38,10 +39,13 @@ def cpu_kernel():
 
     # NOTE: the venv's bin first: a pip-installed ninja lives there, and torch looks on PATH.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    source = Path(__file__).with_name("cpu_gemm.cpp")
+    # NOTE: the source's hash in the name: checkouts with different sources get their own build.
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
     try:
         return cpp_extension.load(
-            "epcluster_cpu_gemm",
-            [str(Path(__file__).with_name("cpu_gemm.cpp"))],
+            f"epcluster_cpu_gemm_{digest}",
+            [str(source)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
