@@ -40,7 +40,11 @@ def test_config_loads(cluster):
 def test_router_ports_and_probes_follow_the_config(cluster):
     config, router = cluster.config, cluster.router
     assert config["host"] == "0.0.0.0"  # probes and the Service reach the pod IP
-    assert ports(router) == {"grpc": config["port"], "router-metrics": config["metrics_port"]}
+    assert ports(router) == {
+        "grpc": config["port"],
+        "http": config["http_port"],
+        "router-metrics": config["metrics_port"],
+    }
     for probe in ("startupProbe", "livenessProbe"):
         assert router[probe]["grpc"] == {"port": config["port"]}  # the whole server
     assert router["readinessProbe"]["grpc"] == {
@@ -167,6 +171,10 @@ def test_service_and_monitors_select_what_they_mean(cluster):
     assert svc_ports["grpc"]["targetPort"] == "grpc"
     assert svc_ports["grpc"]["port"] == cluster.config["port"]
     assert svc_ports["metrics"]["targetPort"] == "router-metrics"
+    assert (svc_ports["http"]["targetPort"], svc_ports["http"]["port"]) == (
+        "http",
+        cluster.config["http_port"],
+    )
 
     monitor = cluster.one("ServiceMonitor")
     assert _labels_match(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
@@ -231,12 +239,15 @@ def test_network_policies(cluster):
                 open_ports[port] = rule.get("from")
     assert not RAY_PORTS & set(open_ports)
     assert open_ports[config["port"]] is None  # clients
+    assert open_ports[config["http_port"]] is None
     assert open_ports[config["metrics_port"]] == [monitoring]
     rank_ports = set(
         range(config["rank_metrics_port"], config["rank_metrics_port"] + MAX_RANKS_PER_NODE)
     )
     assert all(open_ports[p] == [monitoring] for p in rank_ports)
-    assert set(open_ports) == {config["port"], config["metrics_port"]} | rank_ports
+    assert set(open_ports) == {config["port"], config["http_port"], config["metrics_port"]} | (
+        rank_ports
+    )
 
 
 def test_dashboards_generator_lists_every_dashboard():
