@@ -13,7 +13,6 @@ in each run (the pause a client saw).
 import argparse
 import asyncio
 import os
-import statistics
 import threading
 import time
 
@@ -22,7 +21,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # local Ray on 
 import torch
 
 from bench.common import record
-from bench.recovery import max_gap, stream_all
+from bench.recovery import max_gap, spread, stream_all
 
 
 def skewed_workload(num: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -128,12 +127,7 @@ def main() -> None:
         "measured_balancedness_old_placement": before,
         "measured_balancedness_new_placement": after,
         "rebalance_call_s": round(outcome["call_s"], 2),
-        "longest_token_gap_s": {
-            "undisturbed_median": round(statistics.median(base_gaps), 3),
-            "undisturbed_max": round(max(base_gaps), 3),
-            "with_rebalance_median": round(statistics.median(hit_gaps), 3),
-            "with_rebalance_max": round(max(hit_gaps), 3),
-        },
+        "longest_token_gap_s": spread(base_gaps, hit_gaps, "with_rebalance"),
     }
     for key, value in result.items():
         print(f"{key}: {value}")

@@ -95,6 +95,17 @@ def max_gap(times: list[float]) -> float:
     return max((b - a for a, b in zip(times[1:], times[2:])), default=0.0)
 
 
+def spread(base: list[float], hit: list[float], hit_name: str) -> dict[str, float]:
+    """Median and max of a per-stream figure in the undisturbed run and in the run with the
+    event (`hit_name`: with_kill, with_rebalance)."""
+    return {
+        "undisturbed_median": round(statistics.median(base), 3),
+        "undisturbed_max": round(max(base), 3),
+        f"{hit_name}_median": round(statistics.median(hit), 3),
+        f"{hit_name}_max": round(max(hit), 3),
+    }
+
+
 def ttft(times: list[float]) -> float:
     return times[1] - times[0]
 
@@ -173,18 +184,8 @@ def main() -> None:
         "undisturbed_run_s": round(base_s, 2),
         "run_with_kill_s": round(hit_s, 2),
         "extra_wall_time_s": round(hit_s - base_s, 2),
-        "longest_token_gap_s": {
-            "undisturbed_median": round(statistics.median(base_gaps), 3),
-            "undisturbed_max": round(max(base_gaps), 3),
-            "with_kill_median": round(statistics.median(hit_gaps), 3),
-            "with_kill_max": round(max(hit_gaps), 3),
-        },
-        "time_to_first_token_s": {
-            "undisturbed_median": round(statistics.median(base_ttft), 3),
-            "undisturbed_max": round(max(base_ttft), 3),
-            "with_kill_median": round(statistics.median(hit_ttft), 3),
-            "with_kill_max": round(max(hit_ttft), 3),
-        },
+        "longest_token_gap_s": spread(base_gaps, hit_gaps, "with_kill"),
+        "time_to_first_token_s": spread(base_ttft, hit_ttft, "with_kill"),
     }
     for key, value in result.items():
         print(f"{key}: {value}")

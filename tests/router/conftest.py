@@ -52,3 +52,16 @@ def backend():
     yield backend
     backend.close()
     assert backend.error is None
+
+
+@pytest.fixture(scope="module")
+def v1_client(backend):
+    """An epcluster.v1 client of a router over the module's backend."""
+    from router.client import InferenceClient
+    from router.server import serve
+
+    server = serve(backend, port=0)
+    assert server.wait_ready(10)
+    with InferenceClient(server.address, timeout=30) as client:
+        yield client
+    server.stop()

@@ -9,7 +9,6 @@ import pytest
 from engine import SamplingParams
 from router.client import InferenceClient
 from router.proto import epcluster_pb2 as pb
-from router.server import serve
 from tests.router.conftest import wait_idle
 
 SP = pb.SamplingParams
@@ -146,15 +145,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(backend):
-    server = serve(backend, port=0)
-    assert server.wait_ready(10)
-    with InferenceClient(server.address, timeout=30) as client:
-        yield client
-    server.stop()
-
-
 def send(client: InferenceClient, request: pb.GenerateRequest | bytes) -> list:
     if isinstance(request, bytes):  # bytes the schema may reject: sent as they are
         call = client.channel.unary_stream(
@@ -171,7 +161,8 @@ def test_the_matrix_is_large_enough():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_case(client, backend, oracle, case):
+def test_bad_input_case(v1_client, backend, oracle, case):
+    client = v1_client
     request, code, expected = CASES[case]
     if code == OK:
         outs = send(client, request)

@@ -10,9 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.client import InferenceClient
 from router.proto import epcluster_pb2 as pb
-from router.server import serve
 from tests.router.conftest import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -111,15 +109,6 @@ def valid(f: dict) -> bool:
     return 0 <= f.get("logprobs", 0) <= 20
 
 
-@pytest.fixture(scope="module")
-def client(backend):
-    server = serve(backend, port=0)
-    assert server.wait_ready(10)
-    with InferenceClient(server.address, timeout=30) as client:
-        yield client
-    server.stop()
-
-
 @settings(
     max_examples=1000,
     deadline=None,
@@ -127,7 +116,8 @@ def client(backend):
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(f=fields)
-def test_fuzzed_requests_get_the_documented_status(client, backend, f):
+def test_fuzzed_requests_get_the_documented_status(v1_client, backend, f):
+    client = v1_client
     request = to_request(f)
     if valid(f):
         outs = list(client.stub.Generate(request, timeout=30))
