@@ -23,7 +23,8 @@ from pathlib import Path
 import yaml
 
 from deploy.monitoring.alerts import GROUPS
-from deploy.monitoring.dashboards import DASHBOARDS, DS
+from deploy.monitoring.dashboards import DASHBOARDS
+from deploy.monitoring.panels import DS
 from engine.metrics import series_names
 
 HERE = Path(__file__).resolve().parent
