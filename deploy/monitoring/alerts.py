@@ -195,12 +195,12 @@ GROUPS = {
             "10m",
             firing=[
                 (f'{TTFT}{{le="2.5"}}', "0+60x20"),
-                (f'{TTFT}{{le="5"}}', "0+100x20"),
+                (f'{TTFT}{{le="5.0"}}', "0+100x20"),
                 (f'{TTFT}{{le="+Inf"}}', "0+100x20"),
             ],
             silent=[
                 (f'{TTFT}{{le="2.5"}}', "0+100x20"),
-                (f'{TTFT}{{le="5"}}', "0+100x20"),
+                (f'{TTFT}{{le="5.0"}}', "0+100x20"),
                 (f'{TTFT}{{le="+Inf"}}', "0+100x20"),
             ],
         ),
@@ -280,12 +280,12 @@ GROUPS = {
             "The decode pool's caches are full: its ranks are the bottleneck.",
             "10m",
             firing=[
-                ('epcluster_kv_reservation_wait_seconds_bucket{le="1"}', "0+50x20"),
+                ('epcluster_kv_reservation_wait_seconds_bucket{le="1.0"}', "0+50x20"),
                 ('epcluster_kv_reservation_wait_seconds_bucket{le="2.5"}', "0+100x20"),
                 ('epcluster_kv_reservation_wait_seconds_bucket{le="+Inf"}', "0+100x20"),
             ],
             silent=[
-                ('epcluster_kv_reservation_wait_seconds_bucket{le="1"}', "0+100x20"),
+                ('epcluster_kv_reservation_wait_seconds_bucket{le="1.0"}', "0+100x20"),
                 ('epcluster_kv_reservation_wait_seconds_bucket{le="2.5"}', "0+100x20"),
                 ('epcluster_kv_reservation_wait_seconds_bucket{le="+Inf"}', "0+100x20"),
             ],
@@ -339,14 +339,17 @@ GROUPS = {
             "EpclusterRebalanceSlow",
             "sum by (pool) (increase(epcluster_eplb_rebalance_duration_seconds_bucket"
             '{le="+Inf"}[30m])) - sum by (pool) (increase('
-            'epcluster_eplb_rebalance_duration_seconds_bucket{le="10"}[30m])) > 0',
+            'epcluster_eplb_rebalance_duration_seconds_bucket{le="10.0"}[30m])) > 0',
             "warning",
             "{{ $labels.pool }}: a rebalance took over 10 s",
             "Moving expert weights was slow (links, or checkpoint reads): serving went on, but "
             "look at the weight bytes moved and the links.",
             "0m",
             firing=[
-                ('epcluster_eplb_rebalance_duration_seconds_bucket{pool="decode", le="10"}', "0x5"),
+                (
+                    'epcluster_eplb_rebalance_duration_seconds_bucket{pool="decode", le="10.0"}',
+                    "0x5",
+                ),
                 (
                     'epcluster_eplb_rebalance_duration_seconds_bucket{pool="decode", le="+Inf"}',
                     "0 0 1 1 1",
@@ -354,7 +357,7 @@ GROUPS = {
             ],
             silent=[
                 (
-                    'epcluster_eplb_rebalance_duration_seconds_bucket{pool="decode", le="10"}',
+                    'epcluster_eplb_rebalance_duration_seconds_bucket{pool="decode", le="10.0"}',
                     "0 0 1 1 1",
                 ),
                 (

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.monitoring import generate
+from deploy.monitoring import checks, generate
 from tests.prometheus import REPO, binary, promtool
 
 MONITORING = REPO / "deploy" / "monitoring"
@@ -29,12 +29,60 @@ def test_generated_files_are_current_and_pass_the_checks():
         ("sum(rate(epcluster_no_such_metric_total[$__rate_interval]))", "unknown metric"),
         ("sum(epcluster_requests_total)", "counter epcluster_requests_total outside rate"),
         ("sum(rate(epcluster_requests_total[5m]))", "use [$__rate_interval]"),
+        ("sum(rate(epcluster_requests_total[5m:1m]))", "use [$__rate_interval]"),
+        ("epcluster_step_tokens_sum / epcluster_step_tokens_count", "outside rate"),
+        (
+            "histogram_quantile(0.9, sum by (le) (rate("
+            "epcluster_step_tokens_count[$__rate_interval])))",
+            "histogram_quantile over ['epcluster_step_tokens_count']: only _bucket",
+        ),
+        (
+            "sum(rate(epcluster_step_tokens_bucket[$__rate_interval]))",
+            "outside histogram_quantile and without an le matcher",
+        ),
+        (
+            'sum(rate(epcluster_step_tokens_bucket{le="64"}[$__rate_interval]))',
+            'le="64" on epcluster_step_tokens_bucket is not a bucket as exported',
+        ),
     ],
 )
 def test_the_check_catches_a_bad_panel(expr, expected):
     board = json.loads((MONITORING / "dashboards" / "overview.json").read_text())
     assert generate.problems({"overview": board}) == []
     found = generate.problems({"overview": generate.with_panel(board, expr)})
+    assert any(expected in p for p in found), found
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        'sum(rate(epcluster_step_tokens_bucket{le="64.0"}[$__rate_interval])) / '
+        "(sum(rate(epcluster_step_tokens_count[$__rate_interval])) > 0)",
+        "histogram_quantile(0.99, sum by (le, pool) (rate("
+        "epcluster_step_duration_seconds_bucket{pool=~\"$pool\"}[$__rate_interval]))) > 0.3",
+        "changes(epcluster_eplb_rebalances_total[$__rate_interval]) > 0",
+        'absent(up{pool="router"})',
+        "count by (pool) (up offset 15m) unless count by (pool) (up)",
+    ],
+)
+def test_the_check_passes_what_follows_the_rules(expr):
+    assert checks.expr_problems(expr) == []
+
+
+@pytest.mark.parametrize(
+    ("expr", "expected"),
+    [
+        (
+            "histogram_quantile(0.99, sum by (le) (rate("
+            "epcluster_time_to_first_token_seconds_bucket[5m]))) > bool 3",
+            "threshold 3 on histogram_quantile",
+        ),
+        ("epcluster_preemptions_total > 0", "outside rate"),
+        ("sum by (pool) (epcluster_no_such_ratio) < 0.5", "unknown metric"),
+    ],
+)
+def test_the_check_catches_a_bad_rule(expr, expected):
+    found = checks.expr_problems(expr)
     assert any(expected in p for p in found), found
 
 
