@@ -374,6 +374,21 @@ _OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
     ("epcluster_eplb_rebalances_total", "outcome"): ("applied", "skipped"),
 }
 
+# Children of metrics with an open label, pre-created anyway: the outcomes the router reports,
+# so that an error ratio's numerator exists (at 0) before the first error, and rate() sees that
+# error (the first sample of a new series has no predecessor to increase from).
+PRESET_CHILDREN: dict[str, tuple[tuple[str, ...], ...]] = {
+    "epcluster_requests_total": (
+        ("stop", "OK"),
+        ("length", "OK"),
+        ("abort", "CANCELLED"),
+        ("abort", "DEADLINE_EXCEEDED"),
+        ("error", "INTERNAL"),
+        ("error", "UNAVAILABLE"),
+        ("error", "RESOURCE_EXHAUSTED"),
+    ),
+}
+
 
 def label_values(spec: Spec, label: str) -> tuple[str, ...] | None:
     """The values `label` of `spec` takes, or None when they are open (a status code, a

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.metrics import ROUTER, label_values, specs
+from engine.metrics import PRESET_CHILDREN, ROUTER, label_values, specs
 
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
@@ -35,7 +35,7 @@ class RouterMetrics:
             for label in spec.labels:  # pre-create enumerable children: no missing series
                 values = label_values(spec, label)
                 if values is None:
-                    combos = []
+                    combos = list(PRESET_CHILDREN.get(spec.name, ()))
                     break
                 combos = [c + (v,) for c in combos for v in values]
             for combo in combos:

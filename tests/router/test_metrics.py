@@ -61,8 +61,10 @@ def test_requests_are_counted_by_how_they_ended(served):
     assert wait_idle(backend) == (False, 0)
     for _ in range(250):  # the cancelled stream's handler finishes on the server's loop
         cancelled = "epcluster_requests_total", {"finished_reason": "abort", "code": "CANCELLED"}
-        if any(x.name == cancelled[0] and x.labels.items() >= cancelled[1].items()
-               for x in samples(metrics)):  # fmt: skip
+        if any(  # the series is pre-created at 0: wait for the count
+            x.name == cancelled[0] and x.labels.items() >= cancelled[1].items() and x.value >= 1
+            for x in samples(metrics)
+        ):
             break
         time.sleep(0.02)
     s = samples(metrics)
