@@ -7,7 +7,8 @@ boundaries is an interpolation, not a measurement). Ratios carry a traffic floor
 `pool="router"`; router series about a pool name it `target_pool`.
 """
 
-RUNBOOK = "https://github.com/epcluster/epcluster/blob/main/deploy/README.md#alerts"
+# each alert's notes are a heading of that page: its anchor is the alert's name in lower case
+RUNBOOK = "https://github.com/epcluster/epcluster/blob/main/deploy/README.md"
 
 REQ = "epcluster_requests_total"
 TTFT = "epcluster_time_to_first_token_seconds_bucket"
@@ -28,7 +29,7 @@ def rule(
         "annotations": {
             "summary": summary,
             "description": description,
-            "runbook_url": f"{RUNBOOK}-{name.lower()}",
+            "runbook_url": f"{RUNBOOK}#{name.lower()}",
         },
         "_test": {
             "firing": list(firing),
@@ -42,8 +43,12 @@ def rule(
 def burn(window: str) -> str:
     """Error-budget burn rate of the TTFT SLO (99% of requests' first token within 2.5 s)."""
     good = f'sum(rate({TTFT}{{le="2.5"}}[{window}]))'
-    total = f'sum(rate({TTFT}{{le="+Inf"}}[{window}]))'
-    return f"(1 - {good} / ({total} > 0)) / 0.01"
+    return f"(1 - {good} / ({traffic(window)} > 0)) / 0.01"
+
+
+def traffic(window: str) -> str:
+    """Requests per second that got (or will get) a first token, over `window`."""
+    return f'sum(rate({TTFT}{{le="+Inf"}}[{window}]))'
 
 
 GROUPS = {
@@ -69,6 +74,21 @@ GROUPS = {
             firing=[('up{pool="prefill", rank="0"}', "1x20")],
             silent=[('up{pool="router"}', "1x20")],
             labels={"pool": "router"},
+        ),
+        rule(
+            "EpclusterPoolMetricsAbsent",
+            'absent(up{pool="prefill"}) or absent(up{pool="decode"})',
+            "warning",
+            "No {{ $labels.pool }} rank is scraped",
+            "The router's discovery lists no rank of the pool (ranks not started, or not "
+            "reporting a metrics endpoint): every rank alert of that pool is blind.",
+            "10m",
+            firing=[('up{pool="router"}', "1x20"), ('up{pool="prefill", rank="0"}', "1x20")],
+            silent=[
+                ('up{pool="prefill", rank="0"}', "1x20"),
+                ('up{pool="decode", rank="0"}', "1x20"),
+            ],
+            labels={"pool": "decode"},
         ),
         rule(
             "EpclusterPoolNotReady",
@@ -187,7 +207,7 @@ GROUPS = {
         rule(
             "EpclusterTTFTHigh",
             f"histogram_quantile(0.99, sum by (le) (rate({TTFT}[5m]))) > 2.5 and "
-            f'sum(rate({TTFT}{{le="+Inf"}}[5m])) > 0.1',
+            f"{traffic('5m')} > 0.1",
             "warning",
             "p99 time to first token over 2.5 s",
             "Prompts wait or prefill slowly: look at the Pools board (prefill queue, KV usage) "
@@ -226,18 +246,19 @@ GROUPS = {
         ),
         rule(
             "EpclusterTTFTBudgetFastBurn",
-            f"{burn('1h')} > 14.4 and {burn('5m')} > 14.4",
+            f"{burn('1h')} > 14.4 and {burn('5m')} > 14.4 and {traffic('5m')} > 0.1",
             "critical",
             "The TTFT error budget burns 14x too fast",
             "At this rate the month's budget (1% of requests over 2.5 s to the first token) is "
             "gone in two days.",
             "2m",
             firing=[(f'{TTFT}{{le="2.5"}}', "0+50x80"), (f'{TTFT}{{le="+Inf"}}', "0+100x80")],
-            silent=[(f'{TTFT}{{le="2.5"}}', "0+99.9x80"), (f'{TTFT}{{le="+Inf"}}', "0+100x80")],
+            # every request slow, but 5 a minute: under the traffic floor, no page
+            silent=[(f'{TTFT}{{le="2.5"}}', "0x80"), (f'{TTFT}{{le="+Inf"}}', "0+5x80")],
         ),
         rule(
             "EpclusterTTFTBudgetSlowBurn",
-            f"{burn('6h')} > 6 and {burn('30m')} > 6",
+            f"{burn('6h')} > 6 and {burn('30m')} > 6 and {traffic('30m')} > 0.1",
             "warning",
             "The TTFT error budget burns 6x too fast",
             "At this rate the month's budget is gone in five days.",

@@ -4,6 +4,7 @@ rules` (a firing and a silent case for every alert), the PrometheusRule carries 
 plain rule file's groups, and the scrape configuration passes `promtool check config`."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def test_the_check_catches_a_bad_panel(expr, expected):
         'sum(rate(epcluster_step_tokens_bucket{le="64.0"}[$__rate_interval])) / '
         "(sum(rate(epcluster_step_tokens_count[$__rate_interval])) > 0)",
         "histogram_quantile(0.99, sum by (le, pool) (rate("
-        "epcluster_step_duration_seconds_bucket{pool=~\"$pool\"}[$__rate_interval]))) > 0.3",
+        'epcluster_step_duration_seconds_bucket{pool=~"$pool"}[$__rate_interval]))) > 0.3',
         "changes(epcluster_eplb_rebalances_total[$__rate_interval]) > 0",
         'absent(up{pool="router"})',
         "count by (pool) (up offset 15m) unless count by (pool) (up)",
@@ -133,6 +134,21 @@ def test_the_prometheusrule_holds_the_rule_files_groups():
         for r in group["rules"]:
             assert r["labels"]["severity"] in ("warning", "critical")
             assert {"summary", "description", "runbook_url"} <= set(r["annotations"])
+
+
+def test_every_runbook_url_leads_to_its_notes():
+    """runbook_url ends in #alertname, a heading of deploy/README.md (GitHub's anchors: lower
+    case, spaces to hyphens, punctuation dropped)."""
+    readme = (REPO / "deploy" / "README.md").read_text()
+    anchors = {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", readme, re.M)
+    }
+    for group in generate.rule_groups():
+        for r in group["rules"]:
+            page, _, anchor = r["annotations"]["runbook_url"].partition("#")
+            assert page.endswith("/deploy/README.md") and anchor == r["alert"].lower()
+            assert anchor in anchors, f"no runbook notes for {r['alert']} in deploy/README.md"
 
 
 def test_promtool_checks_the_scrape_configuration():
