@@ -146,7 +146,7 @@ def pools() -> dict:
             panel(
                 "Step time",
                 "s",
-                "p50 / p99 engine step per pool.",
+                "p50 / p95 / p99 of an engine step with work, per pool.",
                 quantiles("epcluster_step_duration_seconds", K, "pool"),
             ),
             panel(
@@ -237,7 +237,7 @@ def kv_transfer() -> dict:
             panel(
                 "Transfer size",
                 "bytes",
-                "p50 / p99 bytes of one request's KV.",
+                "p50 / p95 / p99 bytes of one request's KV payload.",
                 quantiles("epcluster_kv_transfer_size_bytes", K),
             ),
             panel(
@@ -318,7 +318,7 @@ def moe() -> dict:
             panel(
                 "Rebalance duration",
                 "s",
-                "p50 / p99 from request to the last layer switched.",
+                "p50 / p95 / p99 from the decision to the last layer switched.",
                 quantiles("epcluster_eplb_rebalance_duration_seconds", K, "pool"),
             ),
             panel(
@@ -335,7 +335,7 @@ def moe() -> dict:
             panel(
                 "All-to-all time",
                 "s",
-                "p50 / p99 of one dispatch or combine.",
+                "p50 / p95 / p99 per step, summed over the MoE layers, by phase.",
                 quantiles("epcluster_alltoall_duration_seconds", K, "phase"),
             ),
             panel(
