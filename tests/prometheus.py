@@ -22,9 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def binary(name: str) -> str | None:
-    """prometheus or promtool: the venv's (make prometheus) first, then PATH."""
-    local = Path(sys.prefix) / "prometheus" / "usr" / "bin" / name
-    return str(local) if local.exists() else shutil.which(name)
+    """prometheus or promtool: what `make prometheus` unpacked into the checkout's .venv, or
+    into the venv running the tests (a worktree may borrow another checkout's), then PATH."""
+    for venv in (REPO / ".venv", Path(sys.prefix)):
+        local = venv / "prometheus" / "usr" / "bin" / name
+        if local.exists():
+            return str(local)
+    return shutil.which(name)
 
 
 def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
