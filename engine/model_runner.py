@@ -9,6 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
+from kernels.linear import cpu_kernel
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
 from moe.overlap import Stages, run_interleaved
@@ -18,6 +19,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: DeepseekForCausalLM) -> None:
         self.config = config
         self.model = model
+        if torch.device(config.device).type == "cpu":
+            # NOTE: built (or loaded) now, while the engine starts: the first build takes
+            # 20-30 s, which must not land inside a request's deadline.
+            cpu_kernel()
         c = model.config
         itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
         bytes_per_block = c.num_hidden_layers * config.block_size * c.kv_cache_width * itemsize

@@ -40,8 +40,9 @@ def cpu_kernel():
     # NOTE: the venv's bin first: a pip-installed ninja lives there, and torch looks on PATH.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     source = Path(__file__).with_name("cpu_gemm.cpp")
-    # NOTE: the source's hash in the name: checkouts with different sources get their own build.
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    # NOTE: the source's path and text in the name: each checkout gets a build of its own (torch
+    # rebuilds a name whose source path changed, so two checkouts would rebuild over each other).
+    digest = hashlib.sha256(str(source).encode() + source.read_bytes()).hexdigest()[:10]
     try:
         return cpp_extension.load(
             f"epcluster_cpu_gemm_{digest}",

@@ -44,10 +44,19 @@ _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "see
 
 
 def unknown_fields(msg: Message, path: str = "") -> list[str]:
-    """Paths of the fields in msg (and its set sub-messages) that this schema does not define,
-    e.g. ["sampling_params.#42"]. Parsing keeps them; a client built from another version of
-    epcluster.proto would otherwise have them silently ignored."""
-    found = [f"{path}#{f.field_number}" for f in UnknownFieldSet(msg)]
+    """Paths of the fields in msg (and its set sub-messages) that this schema cannot read, e.g.
+    ["sampling_params.#42"]. Parsing keeps them; a client built from another version of
+    epcluster.proto would otherwise have them silently ignored. A known field number that
+    arrives with another wire type (a double for top_k) is kept the same way: it is named, as
+    "sampling_params.top_k (#3) with the wrong wire type"."""
+    by_number = msg.DESCRIPTOR.fields_by_number
+    found = []
+    for f in UnknownFieldSet(msg):
+        known = by_number.get(f.field_number)
+        if known is None:
+            found.append(f"{path}#{f.field_number}")
+        else:
+            found.append(f"{path}{known.name} (#{f.field_number}) with the wrong wire type")
     for field, value in msg.ListFields():
         if field.message_type is None:
             continue
@@ -141,6 +150,13 @@ def generate_request_from_proto(
         if len(request_id) > MAX_REQUEST_ID_LEN:
             raise ValueError(
                 f"request_id has {len(request_id)} characters: use at most {MAX_REQUEST_ID_LEN}"
+            )
+        if not request_id.isprintable():
+            # NOTE: the id goes into the router's log lines: a newline would forge one.
+            raise ValueError(
+                f"request_id {request_id[:40]!r} holds a character that does not print (a "
+                "control, format, private-use or unassigned one, or a space other than ' '): "
+                "use printable characters"
             )
     else:
         request_id = uuid.uuid4().hex

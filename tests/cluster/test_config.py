@@ -2,12 +2,15 @@
 wrong types, unknown fields, bad values, malformed YAML, a missing model or placement file; and
 gpus_per_rank: null is decided by what the Ray cluster offers."""
 
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import yaml
 
+from cluster import launcher
 from cluster.cli import main
 from cluster.config import ClusterConfig, ConfigError
 
@@ -66,13 +69,37 @@ def test_flags_are_checked_like_the_file():
         ClusterConfig.load(None, prefill_ranks=0)
 
 
-def test_serve_with_a_bad_config_exits_2_naming_the_field(tmp_path, capsys):
+def test_serve_with_a_bad_config_exits_2_naming_the_field(tmp_path, capsys, monkeypatch):
+    def no_cluster(*args: object) -> None:
+        raise AssertionError("a cluster was built from a bad config")
+
+    monkeypatch.setattr(launcher, "Cluster", no_cluster)
     path = tmp_path / "config.yaml"
     path.write_text("decode: {max_num_seqs: 0}\n")
     assert main(["serve", "--config", str(path)]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "epcluster: decode.max_num_seqs must be >= 1 (got 0)" in err
     assert "Traceback" not in err
+    assert "starting" not in out
+
+
+def test_the_serve_command_refuses_a_missing_model(tmp_path):
+    """`epcluster serve` in a process of its own (the script runs cluster.cli:main): exit status
+    2, the message on stderr, nothing started."""
+    path = tmp_path / "config.yaml"
+    path.write_text(f"model: {tmp_path / 'no-such-checkpoint'}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "model must be a preset (tiny, tiny-random, small) or a checkpoint directory" in (
+        done.stderr
+    )
+    assert "no-such-checkpoint" in done.stderr and "Traceback" not in done.stderr
+    assert "starting" not in done.stdout
 
 
 def test_gpus_per_rank_null_follows_the_cluster():
@@ -80,6 +107,7 @@ def test_gpus_per_rank_null_follows_the_cluster():
     assert config.gpus_per_rank is None
     cpu = config.resolve_gpus(0.0)
     assert cpu.gpus_per_rank == 0.0 and cpu.engine_config("decode").device == "cpu"
+    assert config.resolve_gpus(0.5).gpus_per_rank == 0.0  # a fraction of a GPU: not one per rank
     gpu = config.resolve_gpus(8.0)
     assert gpu.gpus_per_rank == 1.0 and gpu.engine_config("prefill").device == "cuda"
     fixed = ClusterConfig.load(None, gpus_per_rank=0.5).resolve_gpus(0.0)

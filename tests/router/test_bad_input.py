@@ -13,6 +13,7 @@ from tests.router.conftest import wait_idle
 
 SP = pb.SamplingParams
 IDS = pb.TokenIds(ids=[5, 6, 7])
+IDS_BYTES = pb.GenerateRequest(token_ids=IDS).SerializeToString()
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -83,7 +84,17 @@ CASES = {
         OK,
         SamplingParams(max_tokens=4, temperature=1.0, seed=2**63 - 1),
     ),
-    "seed -2**63": (ids_request(seed=-(2**63)), INVALID, "seed must be None or an int"),
+    # int64 on the wire: 2**63 and 2**64 - 1 sent as unsigned varints arrive as -2**63 and -1
+    "seed 2**63 as an unsigned varint": (
+        ids_request(seed=-(2**63)),
+        INVALID,
+        "[0, 2**63), got -9223372036854775808",
+    ),
+    "seed 2**64 - 1 as an unsigned varint": (
+        IDS_BYTES + b"\x22\x0b\x30" + b"\xff" * 9 + b"\x01",
+        INVALID,
+        "[0, 2**63), got -1",
+    ),
     "seed 0": (
         ids_request(max_tokens=4, temperature=0.9, seed=0),
         OK,
@@ -117,7 +128,25 @@ CASES = {
     "top_k 1.5 as a double on the wire": (
         b"\x22\x09\x19" + b"\x00" * 8,
         INVALID,
-        "does not know: sampling_params.#3",
+        "sampling_params.top_k (#3) with the wrong wire type",
+    ),
+    "sampling_params as a varint": (
+        IDS_BYTES + b"\x20\x01",
+        INVALID,
+        "does not know: sampling_params (#4) with the wrong wire type",
+    ),
+    # both prompts on the wire: the oneof keeps the last one parsed
+    "text, then token_ids": (
+        pb.GenerateRequest(text="Hi").SerializeToString()
+        + ids_request(max_tokens=3, temperature=0.0).SerializeToString(),
+        OK,
+        ([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0)),
+    ),
+    "token_ids, then text": (
+        ids_request(max_tokens=3, temperature=0.0).SerializeToString()
+        + pb.GenerateRequest(text="Hi").SerializeToString(),
+        OK,
+        ("Hi", SamplingParams(max_tokens=3, temperature=0.0)),
     ),
     # unicode
     "unicode prompt with NUL": (
@@ -142,6 +171,34 @@ CASES = {
         OK,
         SamplingParams(max_tokens=3, temperature=0.0),
     ),
+    "right-to-left prompt": (
+        text_request("שלום עולם مرحبا", max_tokens=3, temperature=0.0),
+        OK,
+        SamplingParams(max_tokens=3, temperature=0.0),
+    ),
+    "an encoded lone surrogate": (b"\x12\x03\xed\xa0\x80", INVALID, "had bad UTF-8"),
+    "request_id with a newline": (
+        pb.GenerateRequest(request_id="a\nINFO forged", token_ids=IDS),
+        INVALID,
+        "holds a character that does not print",
+    ),
+    "request_id with NUL": (
+        pb.GenerateRequest(request_id="a\x00", token_ids=IDS),
+        INVALID,
+        "use printable characters",
+    ),
+    # more ranges and sizes
+    "max_tokens 2**31 - 1 ends at the context": (
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5] * 2040),
+            sampling_params=SP(max_tokens=2**31 - 1, ignore_eos=True, temperature=0.0),
+        ),
+        OK,
+        SamplingParams(max_tokens=2**31 - 1, ignore_eos=True, temperature=0.0),
+    ),
+    "top_p 1.5": (ids_request(top_p=1.5), INVALID, "top_p must be in (0, 1], got 1.5"),
+    "top_p -1": (ids_request(top_p=-1.0), INVALID, "top_p must be in (0, 1], got -1.0"),
+    "stop string of 10k chars": (ids_request(stop=["s" * 10_000]), INVALID, "one of 10000"),
 }
 
 
@@ -166,13 +223,16 @@ def test_bad_input_case(v1_client, backend, oracle, case):
     request, code, expected = CASES[case]
     if code == OK:
         outs = send(client, request)
-        prompt = (
-            request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
-        )
-        want = oracle.generate([prompt], expected)[0]
+        if isinstance(request, bytes):  # the prompt the bytes should give
+            prompt, params = expected
+        else:
+            text = request.WhichOneof("prompt") == "text"
+            prompt, params = request.text if text else list(request.token_ids.ids), expected
+        want = oracle.generate([prompt], params)[0]
         assert [t for o in outs for t in o.token_ids] == want.token_ids
         assert outs[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
-        if request.HasField("request_id"):
+        assert outs[-1].usage.prompt_tokens == want.num_prompt_tokens
+        if not isinstance(request, bytes) and request.HasField("request_id"):
             assert {o.request_id for o in outs} == {request.request_id}
     else:
         with pytest.raises(grpc.RpcError) as err:
@@ -184,3 +244,28 @@ def test_bad_input_case(v1_client, backend, oracle, case):
     assert client.complete([5, 6], SamplingParams(max_tokens=2)).num_completion_tokens == 2
     assert wait_idle(backend) == (False, 0)
     assert client.cluster_status().num_queued == 0
+
+
+def test_a_100_mb_message_is_refused_by_grpc(v1_client, backend):
+    """The router sets no receive limit: grpc's default (4 MiB) refuses it before any code of
+    ours runs."""
+    request = text_request("a" * 100_000_000)
+    with pytest.raises(grpc.RpcError) as err:
+        send(v1_client, request)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"larger than max ({request.ByteSize()} vs. {4 << 20})" in err.value.details()
+    del request
+    assert v1_client.complete([5, 6], SamplingParams(max_tokens=2)).num_completion_tokens == 2
+    assert wait_idle(backend) == (False, 0)
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0])
+def test_a_deadline_already_past(v1_client, backend, timeout):
+    """Whether the client or the server notices first, the call ends DEADLINE_EXCEEDED and the
+    engine holds nothing."""
+    with pytest.raises(grpc.RpcError) as err:
+        list(v1_client.stub.Generate(ids_request(max_tokens=50, ignore_eos=True), timeout=timeout))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_idle(backend) == (False, 0)
+    assert v1_client.cluster_status().num_queued == 0
+    assert v1_client.complete([5, 6], SamplingParams(max_tokens=2)).num_completion_tokens == 2
