@@ -2,9 +2,9 @@
 address on a bridge, `ray start --head` in the first and `ray start --address` in the others
 (token authentication on), for tests and `make multinode-demo`. Needs root and iproute2.
 
-The cluster has its own Ray token and its own Ray temporary directory (in one private directory):
-it needs no ~/.ray/auth_token and never touches /tmp/ray, so other Ray clusters on the machine
-neither see it nor are seen by it.
+The cluster has its own Ray token, Ray temporary directories and torch extensions directory (in
+one private directory): it needs no ~/.ray/auth_token and never touches /tmp/ray, so other Ray
+clusters on the machine neither see it nor are seen by it.
 
 Everything it creates it deletes in close(), even after a failure: the processes of each
 namespace (killed by namespace, never by name: `ray stop` would stop every Ray on the machine),
@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 SUBNETS = range(100, 200)  # a cluster's nodes are on 10.77.<s>.0/24, one s per cluster
 READY = "epcluster: ready on"
+BUILD_KERNEL = "from kernels.linear import cpu_kernel; cpu_kernel()"
 # GET each URL given, print the bodies as a JSON list (runs inside a node's namespace)
 FETCH = (
     "import json, sys, urllib.request as u; "
@@ -96,7 +97,8 @@ class Nodes:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
     names: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
-    dir: Path | None = None  # the token file and each node's Ray temporary directory
+    dir: Path | None = None  # the token file, each node's Ray temporary directory, builds
+    _kernel_built: bool = False
 
     @property
     def bridge(self) -> str:
@@ -130,6 +132,7 @@ class Nodes:
         env.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
         env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # nodes listen on their own address
         env["PYTHONPATH"] = str(REPO)
+        env["TORCH_EXTENSIONS_DIR"] = str(self.dir / "torch_extensions")
         return env
 
     def start(self) -> "Nodes":
@@ -224,6 +227,8 @@ class Nodes:
     def serve(self, i: int, config: dict[str, Any], timeout: float = 300.0, echo: bool = False):
         """`epcluster serve --config` (config: ClusterConfig fields) as the Ray driver on node
         i; -> the running Serve, once it says it is ready. echo: print its output as it comes."""
+        if not self._kernel_built:
+            self._build_kernel(i)
         path = self.dir / f"serve-{len(self.procs)}.yaml"
         path.write_text(yaml.safe_dump(config))
         proc = self.popen(
@@ -231,6 +236,17 @@ class Nodes:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         return Serve(proc, echo).wait_ready(timeout)
+
+    def _build_kernel(self, i: int) -> None:
+        """Build the ranks' CPU kernel (kernels/linear.py) into the cluster's own torch
+        extensions directory before any rank needs it. NOTE: a rank that builds it in its first
+        decode step stalls past rank_stall_timeout_s on a busy machine and is killed mid-build,
+        leaving torch's build lock for every later process to wait on; and the machine's shared
+        directory is rebuilt whenever another checkout of the repo loads the kernel."""
+        out = self.run(i, sys.executable, "-c", BUILD_KERNEL, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"building the CPU kernel failed:\n{out.stderr[-3000:]}")
+        self._kernel_built = True
 
     def close(self) -> None:
         for proc in self.procs:
