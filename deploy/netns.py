@@ -68,12 +68,13 @@ def _free_subnet() -> int:
     return next(s for s in SUBNETS if f"10.77.{s}.0/24" not in routes)
 
 
-def _pids(netns: str) -> list[int]:
-    return [int(p) for p in _ip("netns", "pids", netns, check=False).split()]
+def _pids(netns: list[str]) -> list[int]:
+    return [int(p) for ns in netns for p in _ip("netns", "pids", ns, check=False).split()]
 
 
-def _end_processes(netns: str, grace_s: float = 10.0) -> None:
-    """SIGTERM every process in the namespace, SIGKILL what is left after grace_s, and wait
+def _end_processes(netns: list[str], grace_s: float = 3.0) -> None:
+    """SIGTERM every process in the namespaces, SIGKILL what is left after grace_s (Ray's GCS,
+    raylets and agents outlast a SIGTERM by many seconds; the nodes keep nothing), and wait
     until none is left: a namespace outlives `ip netns del`, links included, while a process
     is still in it."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
@@ -253,8 +254,7 @@ class Nodes:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
-        for ns in self.names:  # every process left in the namespace: Ray's, the ranks
-            _end_processes(ns)
+        _end_processes(self.names)  # every process left in them: Ray's, the ranks
         for i, ns in enumerate(self.names):
             _ip("netns", "del", ns, check=False)
             _ip("link", "del", self.veth(i), check=False)  # usually gone with the namespace
