@@ -3,6 +3,7 @@ the prefill pool on node 0 and the decode pool spanning nodes 1 and 2, a few req
 ranks are (`epcluster status`, the router's /sd/targets), then everything torn down."""
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def demo(nodes: Nodes) -> None:
             ["status", "--target", target],
             ["generate", "--target", target, "--prompt", "A class", "--max-tokens", "32"],
         ):
-            print(f"$ epcluster {' '.join(cmd)}   (from node 2)", flush=True)
+            print(f"$ epcluster {shlex.join(cmd)}   (from node 2)", flush=True)
             nodes.run(2, EPCLUSTER, *cmd, check=True, timeout=120)
         (targets,) = nodes.fetch(2, f"http://{nodes.addr(0)}:9400/sd/targets")
         print("metrics endpoints (the router's /sd/targets, read from node 2):")
