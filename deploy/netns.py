@@ -225,7 +225,9 @@ class Nodes:
                 raise TimeoutError(f"{n} Ray nodes did not join: {out.stdout}{out.stderr}")
             time.sleep(1)
 
-    def serve(self, i: int, config: dict[str, Any], timeout: float = 300.0, echo: bool = False):
+    def serve(
+        self, i: int, config: dict[str, Any], timeout: float = 300.0, echo: bool = False
+    ) -> "Serve":
         """`epcluster serve --config` (config: ClusterConfig fields) as the Ray driver on node
         i; -> the running Serve, once it says it is ready. echo: print its output as it comes."""
         if not self._kernel_built:
