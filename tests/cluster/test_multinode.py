@@ -1,32 +1,31 @@
 """A real multi-node Ray cluster on this machine (deploy/netns.py: three network namespaces on a
-bridge, Ray token authentication on): the prefill pool on node 0, the decode pool spanning nodes
-1 and 2, `epcluster serve --address` as the driver on node 0. For both KV transports, 32
-concurrent requests equal the in-process engine token for token; the EP process groups, the KV
-transfer and the metrics all cross real TCP links; a real Prometheus (outside the nodes, on the
-bridge) discovers and scrapes the router and every rank of every node."""
+bridge, Ray token authentication on with the cluster's own token): the prefill pool on node 0,
+the decode pool spanning nodes 1 and 2, `epcluster serve --address` as the driver on node 0.
+For both KV transports, 32 concurrent requests equal the in-process engine token for token; the
+EP process groups, the KV transfer and the metrics all cross real TCP links: every rank's
+/metrics answers from another node's namespace, and a real Prometheus (outside the nodes, on the
+bridge) discovers and scrapes the router and every rank of every node. Afterwards nothing of the
+cluster is left: namespaces, links, processes, files."""
 
 import asyncio
 import json
-import signal
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
+import secrets
+from collections import defaultdict
 
+import grpc
 import pytest
-import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
-from deploy.netns import Nodes, unavailable
+from deploy.netns import Nodes, Serve, unavailable
 from engine import LLM, SamplingParams
 from router.client import AsyncInferenceClient
-from tests.prometheus import REPO, Prometheus, binary
+from tests.prometheus import Prometheus, binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-WHY_NOT = unavailable()
-if WHY_NOT is not None:
-    pytestmark.append(pytest.mark.skip(reason=WHY_NOT))
 
+# node 0: the Ray head, the router and the prefill pool; nodes 1 and 2: a decode rank each
+TOPOLOGY = [{"epcluster_prefill": 2}, {"epcluster_decode": 1}, {"epcluster_decode": 1}]
 PORT, METRICS_PORT = 50051, 9400
 
 
@@ -45,8 +44,13 @@ def requests() -> tuple[list[str], list[SamplingParams]]:
 
 @pytest.fixture(scope="module")
 def nodes():
-    with Nodes([{"epcluster_prefill": 2}, {"epcluster_decode": 1}, {"epcluster_decode": 1}]) as n:
-        yield n
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    cluster = Nodes(TOPOLOGY)
+    with cluster:
+        yield cluster
+    assert cluster.leftovers() == []
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,10 @@ def expected():
     return LLM("tiny").generate(prompts, params)
 
 
-def serve(nodes: Nodes, transport: str, tmp_path) -> subprocess.Popen:
+@pytest.fixture(scope="module", params=["object_store", "p2p"])
+def served(request, nodes):
+    """The cluster serving with one KV transport; -> (the router's gRPC address, its service
+    discovery URL)."""
     config = {
         "model": "tiny",
         "host": nodes.addr(0),
@@ -63,86 +70,98 @@ def serve(nodes: Nodes, transport: str, tmp_path) -> subprocess.Popen:
         "metrics_port": METRICS_PORT,
         "rank_metrics_port": 9401,
         "ray_address": nodes.ray_address,
-        "kv_transport": transport,
+        "kv_transport": request.param,
         "prefill": {"num_ranks": 2, "resources": {"epcluster_prefill": 1}},
         "decode": {"num_ranks": 2, "resources": {"epcluster_decode": 1}},
     }
-    path = tmp_path / f"{transport}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = nodes.popen(
-        0, sys.executable, "-m", "cluster.cli", "serve", "--config", str(path),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "epcluster: ready on" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    end = time.monotonic() + 300
-    while not ready.wait(0.5):
-        assert proc.poll() is None and time.monotonic() < end, "".join(lines[-50:])
-    proc.lines = lines
-    return proc
-
-
-async def stream_all(address: str) -> list[tuple[list[int], str]]:
-    prompts, params = requests()
-    async with AsyncInferenceClient(address, timeout=300) as client:
-
-        async def one(i: int) -> tuple[list[int], str]:
-            out = await client.complete(prompts[i], params[i])
-            return out.token_ids, out.text
-
-        return await asyncio.gather(*(one(i) for i in range(32)))
-
-
-@pytest.mark.parametrize("transport", ["object_store", "p2p"])
-def test_pools_across_nodes_equal_the_engine(nodes, expected, transport, tmp_path):
-    proc = serve(nodes, transport, tmp_path)
+    serve: Serve = nodes.serve(0, config)
     try:
-        outs = asyncio.run(stream_all(f"{nodes.addr(0)}:{PORT}"))
-        for i, ((tokens, text), want) in enumerate(zip(outs, expected, strict=True)):
-            assert tokens == want.token_ids and text == want.text, i
-
-        sd_url = f"http://{nodes.addr(0)}:{METRICS_PORT}/sd/targets"
-        with urllib.request.urlopen(sd_url, timeout=10) as r:
-            groups = json.load(r)
-        where = sorted((g["labels"]["pool"], g["targets"][0].rpartition(":")[0]) for g in groups)
-        a0, a1, a2 = nodes.addr(0), nodes.addr(1), nodes.addr(2)
-        assert where == sorted(
-            [("router", a0), ("prefill", a0), ("prefill", a0), ("decode", a1), ("decode", a2)]
-        ), where  # prefill on node 0, the decode pool spans nodes 1 and 2
-
-        if binary("prometheus") is not None:
-            config = {
-                "global": {"scrape_interval": "1s"},
-                "scrape_configs": [
-                    {"job_name": "epcluster",
-                     "http_sd_configs": [{"url": sd_url, "refresh_interval": "1s"}]}
-                ],
-            }  # fmt: skip
-            with Prometheus(config) as prom:
-
-                def all_up():
-                    up = prom.query("up")
-                    return len(up) == 5 and all(r["value"][1] == "1" for r in up) and up
-
-                up = prom.wait_for(all_up, 60, "every node's targets up")
-                hosts = {r["metric"]["instance"].rpartition(":")[0] for r in up}
-                assert hosts == {a0, a1, a2}
-                tokens = prom.wait_for(
-                    lambda: prom.query("sum(epcluster_generation_tokens_total)"), 30, "tokens"
-                )
-                assert float(tokens[0]["value"][1]) == sum(len(t) for t, _ in outs)
+        yield f"{nodes.addr(0)}:{PORT}", f"http://{nodes.addr(0)}:{METRICS_PORT}/sd/targets"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(120) == 0, "".join(proc.lines[-30:])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        assert serve.stop() == 0, serve.output(30)
+
+
+def test_ray_refuses_a_caller_without_the_cluster_token(nodes):
+    """Token authentication is on: the head's GCS answers a call that carries the cluster's
+    token and refuses one with another token or none."""
+    token = nodes.token_file.read_text()
+    with grpc.insecure_channel(nodes.ray_address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+
+        def cluster_id(token: str | None) -> bytes:
+            auth = [("authorization", f"Bearer {token}")] if token is not None else None
+            request = gcs_service_pb2.GetClusterIdRequest()
+            return stub.GetClusterId(request, metadata=auth, timeout=30).cluster_id
+
+        assert len(cluster_id(token)) > 0
+        for wrong in (None, secrets.token_hex(32)):
+            with pytest.raises(grpc.RpcError) as err:
+                cluster_id(wrong)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_32_concurrent_requests_equal_the_engine(served, expected):
+    prompts, params = requests()
+
+    async def run() -> list:
+        async with AsyncInferenceClient(served[0], timeout=300) as client:
+            return await asyncio.gather(*(client.complete(p, sp) for p, sp in zip(prompts, params)))
+
+    for i, (out, want) in enumerate(zip(asyncio.run(run()), expected, strict=True)):
+        assert (out.token_ids, out.text) == (want.token_ids, want.text), i
+
+
+def test_every_endpoint_answers_from_another_node(nodes, served, expected):
+    """The router's discovery lists the ranks on their nodes' addresses (prefill on node 0, the
+    decode pool on nodes 1 and 2); each endpoint, GET from another node's namespace, reports
+    its own pool and rank; the decode ranks received all the KV the prefill ranks sent."""
+    (groups,) = nodes.fetch(2, served[1])
+    groups = json.loads(groups)
+    index = {nodes.addr(i): i for i in range(len(TOPOLOGY))}
+    where = sorted((g["labels"]["pool"], index[g["targets"][0].rpartition(":")[0]]) for g in groups)
+    assert where == [("decode", 1), ("decode", 2), ("prefill", 0), ("prefill", 0), ("router", 0)]
+
+    by_fetcher = defaultdict(list)  # each endpoint from the next node: never its own
+    for g in groups:
+        by_fetcher[(index[g["targets"][0].rpartition(":")[0]] + 1) % len(TOPOLOGY)].append(g)
+    pages = {}
+    for fetcher, targets in by_fetcher.items():
+        bodies = nodes.fetch(fetcher, *(f"http://{g['targets'][0]}/metrics" for g in targets))
+        for g, body in zip(targets, bodies, strict=True):
+            pages[g["labels"]["pool"], g["labels"].get("rank")] = body
+    kv = defaultdict(float)  # (pool, rank, side) -> bytes
+    for (pool, rank), page in pages.items():
+        samples = [s for f in text_string_to_metric_families(page) for s in f.samples]
+        assert {(s.labels["pool"], s.labels.get("rank")) for s in samples} == {(pool, rank)}
+        for s in samples:
+            if s.name == "epcluster_kv_transfer_bytes_total":
+                kv[pool, rank, s.labels["side"]] += s.value
+        if pool == "router":
+            tokens = sum(s.value for s in samples if s.name == "epcluster_generation_tokens_total")
+            assert tokens == sum(len(e.token_ids) for e in expected)
+    # all of it crossed from node 0 to nodes 1 and 2
+    received = kv["decode", "0", "receive"] + kv["decode", "1", "receive"]
+    assert received == kv["prefill", "0", "send"] + kv["prefill", "1", "send"] > 0
+
+
+def test_prometheus_discovers_and_scrapes_every_node(nodes, served, expected):
+    if binary("prometheus") is None:
+        pytest.skip("no prometheus binary: run `make prometheus`")
+    sd = {"url": served[1], "refresh_interval": "1s"}
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "epcluster", "http_sd_configs": [sd]}],
+    }
+    with Prometheus(config) as prom:
+
+        def all_up():
+            up = prom.query("up")
+            return len(up) == 5 and all(r["value"][1] == "1" for r in up) and up
+
+        up = prom.wait_for(all_up, 60, "every node's targets up")
+        hosts = {r["metric"]["instance"].rpartition(":")[0] for r in up}
+        assert hosts == {nodes.addr(i) for i in range(len(TOPOLOGY))}
+        tokens = prom.wait_for(
+            lambda: prom.query("sum(epcluster_generation_tokens_total)"), 30, "tokens"
+        )
+        assert float(tokens[0]["value"][1]) == sum(len(e.token_ids) for e in expected)
