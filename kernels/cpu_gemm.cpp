@@ -1,73 +1,128 @@
-// y = x @ w.T for a few rows of x on CPU (fp32, AVX2 + FMA, OpenMP over w's rows).
+// CPU kernels (fp32) for the decode step's multiplies: y = x @ w.T, and the routed experts'
+// MLPs over expert-sorted rows in one call per layer. kernels/cpu.py builds this file, with
+// kernels/cpu_attention.cpp, for the widest vectors the CPU has (AVX-512 or AVX2).
 //
-// MKL reads w at about 15 GB/s for a matrix-vector product on this class of machine (and packs w
-// for small matrix products), while plain streaming reaches 40+ GB/s: here each row of w is read
-// once, in place, and multiplied with up to 6 rows of x at a time (kept in cache). Every output
-// is one dot product with a fixed summation order, so a row's result does not depend on how
-// many other rows share the call. See kernels/linear.py for when it is used.
+// Why not MKL: for a few rows MKL packs each weight matrix on every call and reads it at 5-16
+// GB/s, and on this class of CPU (AMD, AVX-512) it multiplies with 256-bit vectors, half the
+// machine's fp32 peak. Here each weight row is read once, in place, by a dot-product tile of up
+// to 4 weight rows x 6 rows of x in registers (kernels/cpu_simd.h); threads split weight rows.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
-#include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
+
+#include "cpu_simd.h"
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  s = _mm_add_ss(s, sh);
-  return _mm_cvtss_f32(s);
+using epc::kLanes;
+using epc::kTileW;
+
+constexpr int kPrefetchTiles = 2;  // how far ahead of its reads a tile prefetches weights
+
+// For each group g with rows[g] > 0: y[starts[g] + i, :] = x[starts[g] + i, :] @ w[g].T, with
+// w [G, n_out, K] contiguous and x, y row-major (ldx, ldy). Threads share the weight-row tiles
+// of every group, so the expert weights a step needs are read once, split evenly.
+void grouped_linear(const float* x, int64_t ldx, int64_t K, const std::vector<int64_t>& starts,
+                    const std::vector<int64_t>& rows, const float* w, int64_t n_out, float* y,
+                    int64_t ldy) {
+  std::vector<int64_t> groups;
+  for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g)
+    if (rows[g] > 0) groups.push_back(g);
+  const int64_t tiles = (n_out + kTileW - 1) / kTileW;
+  const int64_t total = static_cast<int64_t>(groups.size()) * tiles;
+  // NOTE: about 64 KiB of weights per task at least: below that a thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / (K * kTileW));
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = groups[item / tiles];
+      const int64_t n0 = (item % tiles) * kTileW;
+      const int nw = static_cast<int>(std::min<int64_t>(kTileW, n_out - n0));
+      const float* wr[kTileW];
+      for (int j = 0; j < nw; ++j) wr[j] = w + (g * n_out + n0 + j) * K;
+      epc::dot_rows(wr, nw, x + starts[g] * ldx, ldx, rows[g], K, y + starts[g] * ldy + n0, ldy,
+                    kPrefetchTiles * kTileW * K);
+    }
+  });
 }
 
-constexpr int kRows = 6;  // rows of x per pass: 6 accumulators + 1 weight register
+void check_matrix(const torch::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.device().is_cpu(), name, ": fp32 on CPU");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
 
 }  // namespace
 
-// Dot products of rows n0 (and n0 + 1 when two) of W with rows m0 .. m0 + rows - 1 of X.
-template <int Ns>
-inline void block(const float* X, const float* W, float* Y, int64_t K, int64_t N, int64_t n0,
-                  int64_t m0, int64_t rows) {
-  __m256 acc[Ns][kRows];
-  for (int j = 0; j < Ns; ++j)
-    for (int i = 0; i < kRows; ++i) acc[j][i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[Ns];
-    for (int j = 0; j < Ns; ++j) wv[j] = _mm256_loadu_ps(W + (n0 + j) * K + k);
-    for (int i = 0; i < rows; ++i) {
-      const __m256 xv = _mm256_loadu_ps(X + (m0 + i) * K + k);
-      for (int j = 0; j < Ns; ++j) acc[j][i] = _mm256_fmadd_ps(wv[j], xv, acc[j][i]);
-    }
-  }
-  for (int j = 0; j < Ns; ++j)
-    for (int i = 0; i < rows; ++i) Y[(m0 + i) * N + n0 + j] = hsum(acc[j][i]);
-}
-
-// x [M, K], w [N, K], both contiguous fp32 on CPU, K % 8 == 0 -> [M, N].
-torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shapes");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "fp32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(1) % 8 == 0, "layout");
+// x [M, K], w [N, K] -> [M, N] = x @ w.T.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w) {
+  check_matrix(x, 2, "x");
+  check_matrix(w, 2, "w");
+  TORCH_CHECK(x.size(1) == w.size(1), "x ", x.sizes(), " and w ", w.sizes(), " differ in K");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  const float* X = x.data_ptr<float>();
-  const float* W = w.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  // NOTE: two rows of W per block: each x load then feeds two FMAs (12 accumulators + 2 W
-  // registers + 1 x register fit the 16 ymm registers).
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N / 2; ++n)
-    for (int64_t m0 = 0; m0 < M; m0 += kRows)
-      block<2>(X, W, Y, K, N, 2 * n, m0, std::min<int64_t>(kRows, M - m0));
-  if (N % 2)
-    for (int64_t m0 = 0; m0 < M; m0 += kRows)
-      block<1>(X, W, Y, K, N, N - 1, m0, std::min<int64_t>(kRows, M - m0));
+  grouped_linear(x.data_ptr<float>(), K, K, {0}, {M}, w.data_ptr<float>(), N,
+                 y.data_ptr<float>(), N);
   return y;
 }
 
+// x [N, D] rows grouped by slot (counts[s] rows for slot s, in slot order), w13 [S, 2I, D]
+// (gate rows, then up rows), w2 [S, D, I] -> [N, D]: per slot, (silu(x w_gate.T) * x w_up.T)
+// w2.T. Empty slots read nothing.
+torch::Tensor grouped_mlp(const torch::Tensor& x, const std::vector<int64_t>& counts,
+                          const torch::Tensor& w13, const torch::Tensor& w2) {
+  check_matrix(x, 2, "x");
+  check_matrix(w13, 3, "w13");
+  check_matrix(w2, 3, "w2");
+  const int64_t N = x.size(0), D = x.size(1), S = w13.size(0), I = w2.size(2);
+  TORCH_CHECK(static_cast<int64_t>(counts.size()) == S, "counts: ", counts.size(), " for ", S,
+              " slots");
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == D, "w13 ", w13.sizes(), " for D=", D,
+              ", I=", I);
+  TORCH_CHECK(w2.size(0) == S && w2.size(1) == D, "w2 ", w2.sizes(), " for D=", D);
+  std::vector<int64_t> starts(S);
+  int64_t total = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(counts[s] >= 0, "counts must be >= 0");
+    starts[s] = total;
+    total += counts[s];
+  }
+  TORCH_CHECK(total == N, "counts sum to ", total, ", x has ", N, " rows");
+  auto out = torch::empty({N, D}, x.options());
+  if (N == 0) return out;
+  auto gate_up = torch::empty({N, 2 * I}, x.options());
+  auto h = torch::empty({N, I}, x.options());
+  float* gu = gate_up.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  grouped_linear(x.data_ptr<float>(), D, D, starts, counts, w13.data_ptr<float>(), 2 * I, gu,
+                 2 * I);
+  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gu + r * 2 * I;
+      const float* u = g + I;
+      float* o = hp + r * I;
+      for (int64_t k = 0; k < I; k += kLanes) {
+        const int n = static_cast<int>(std::min<int64_t>(kLanes, I - k));
+        const epc::vec gv = epc::vload_n(g + k, n);
+        const epc::vec sig = epc::vdiv(epc::vset(1.0f), epc::vadd(epc::vset(1.0f),
+                                       epc::vexp(epc::vsub(epc::vzero(), gv))));
+        epc::vstore_n(o + k, epc::vmul(epc::vmul(gv, sig), epc::vload_n(u + k, n)), n);
+      }
+    }
+  });
+  grouped_linear(hp, I, I, starts, counts, w2.data_ptr<float>(), D, out.data_ptr<float>(), D);
+  return out;
+}
+
+torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& cache,
+                                  const torch::Tensor& tables, const torch::Tensor& lens,
+                                  double scale, int64_t rank);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("few_rows_linear", &few_rows_linear, "y = x @ w.T for a few rows (fp32, AVX2)");
+  m.def("linear", &linear, "x @ w.T (fp32)");
+  m.def("grouped_mlp", &grouped_mlp, "SiLU-gated expert MLPs over slot-sorted rows (fp32)");
+  m.def("paged_mla_attention", &paged_mla_attention,
+        "absorbed MLA attention over a paged latent cache, one row of heads per query (fp32)");
+  m.attr("lanes") = kLanes;
 }

@@ -1,0 +1,62 @@
+"""The compiled CPU kernels: kernels/cpu_gemm.cpp (y = x @ W.T, the routed experts' MLPs in one
+call per layer) and kernels/cpu_attention.cpp (absorbed MLA attention over the paged cache),
+fp32, built on first use by torch's cpp_extension for the widest vectors the CPU has.
+
+They exist because torch's CPU paths leave most of this machine unused at decode sizes: MKL
+packs every weight matrix on each call (5-16 GB/s for a few rows, where the machine reads ~45),
+multiplies with 256-bit vectors on AMD CPUs that run 512-bit FMAs at twice the rate, and a
+Python loop over experts or a gather of the cache into padded tensors adds an op per piece.
+Measured side by side in bench/kernels_cpu.py. Without a compiler, AVX2, or with
+EPCLUSTER_CPU_KERNEL=0, the torch paths serve (a warning says so when the build fails).
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ("cpu_gemm.cpp", "cpu_attention.cpp")
+HEADERS = ("cpu_simd.h",)
+FLAGS = {
+    "AVX512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"],
+    "AVX2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
+}
+ENV_VAR = "EPCLUSTER_CPU_KERNEL"
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module, or None (no AVX2, EPCLUSTER_CPU_KERNEL=0, or the build failed)."""
+    if os.environ.get(ENV_VAR, "1") == "0":
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in FLAGS:
+        return None
+    from torch.utils import cpp_extension
+
+    # NOTE: the venv's bin first: a pip-installed ninja lives there, and torch looks on PATH.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    # NOTE: the sources' paths and text and the vector width in the name: each checkout and
+    # each CPU kind gets a build of its own (torch rebuilds a name whose sources changed, so two
+    # checkouts would rebuild over each other, and an AVX-512 build must not run elsewhere).
+    digest = hashlib.sha256(capability.encode())
+    for name in SOURCES + HEADERS:
+        digest.update(str(HERE / name).encode() + (HERE / name).read_bytes())
+    try:
+        return cpp_extension.load(
+            f"epcluster_cpu_kernels_{digest.hexdigest()[:10]}",
+            [str(HERE / name) for name in SOURCES],
+            extra_cflags=FLAGS[capability],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # no compiler, no headers: slower, still correct
+        log.warning("the CPU kernels did not build (%s): using torch's paths", e)
+        return None

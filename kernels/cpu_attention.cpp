@@ -1,0 +1,164 @@
+// Absorbed MLA attention over the paged latent cache on CPU (fp32): each query row reads its
+// sequence's cache blocks in place through its block table (no gather into padded tensors),
+// for decode (one query per sequence) and chunked prefill over a cached prefix (each query of
+// the chunk sees the keys up to its own position) alike.
+//
+// One task per (query, group of up to 6 heads): scores of the group's heads against every key
+// (dot tiles: each key row read once for the group), an exact softmax, then the latent output
+// as probabilities x key rows with the group's accumulators in registers.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace {
+
+using epc::kLanes;
+using epc::kTileW;
+using epc::kTileX;
+using epc::vec;
+
+constexpr int kChunk = kLanes == 16 ? 4 : 2;  // output vectors per head held in registers
+
+// out[h, d0 .. d0 + CH * kLanes) = sum_j p[h, j] * row_j[d0 ..] for HG heads; the last vector
+// keeps `tail` lanes when tail > 0 (then CH must be 1).
+template <int HG, int CH>
+void weighted_rows(const float* p, int64_t ldp, const std::vector<const float*>& rows,
+                   int64_t d0, int tail, const float* inv, float* out, int64_t ldo) {
+  vec acc[HG][CH];
+  for (int h = 0; h < HG; ++h)
+    for (int c = 0; c < CH; ++c) acc[h][c] = epc::vzero();
+  const int64_t n = static_cast<int64_t>(rows.size());
+  for (int64_t j = 0; j < n; ++j) {
+    vec kv[CH];
+    for (int c = 0; c < CH; ++c)
+      kv[c] = tail ? epc::vload_n(rows[j] + d0, tail) : epc::vload(rows[j] + d0 + c * kLanes);
+    for (int h = 0; h < HG; ++h) {
+      const vec ph = epc::vset(p[h * ldp + j]);
+      for (int c = 0; c < CH; ++c) acc[h][c] = epc::vfma(ph, kv[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < HG; ++h)
+    for (int c = 0; c < CH; ++c) {
+      const vec v = epc::vmul(acc[h][c], epc::vset(inv[h]));
+      if (tail)
+        epc::vstore_n(out + h * ldo + d0, v, tail);
+      else
+        epc::vstore(out + h * ldo + d0 + c * kLanes, v);
+    }
+}
+
+template <int HG>
+void latent_output(const float* p, int64_t ldp, const std::vector<const float*>& rows,
+                   int64_t rank, const float* inv, float* out, int64_t ldo) {
+  int64_t d = 0;
+  for (; d + kChunk * kLanes <= rank; d += kChunk * kLanes)
+    weighted_rows<HG, kChunk>(p, ldp, rows, d, 0, inv, out, ldo);
+  for (; d + kLanes <= rank; d += kLanes) weighted_rows<HG, 1>(p, ldp, rows, d, 0, inv, out, ldo);
+  if (d < rank)
+    weighted_rows<HG, 1>(p, ldp, rows, d, static_cast<int>(rank - d), inv, out, ldo);
+}
+
+// One (query, head group): q rows [hg, C] (stride C), the query's key rows -> out rows [hg, Dc].
+void attend(const float* q, int hg, const std::vector<const float*>& rows, int64_t width,
+            int64_t rank, float scale, std::vector<float>& scores, float* out, int64_t ldo) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  scores.resize(static_cast<size_t>(hg) * n);
+  float* s = scores.data();
+  for (int64_t j = 0; j < n; j += kTileW) {  // scores [hg, n]
+    const int nw = static_cast<int>(std::min<int64_t>(kTileW, n - j));
+    epc::dot_rows(rows.data() + j, nw, q, width, hg, width, s + j, n);
+  }
+  float inv[kTileX];
+  for (int h = 0; h < hg; ++h) {  // exact softmax over the row: exp(scale * (s - max))
+    float* sh = s + h * n;
+    vec m = epc::vset(-INFINITY);
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) m = epc::vmax(m, epc::vload(sh + j));
+    float top = epc::vhmax(m);
+    for (; j < n; ++j) top = std::max(top, sh[j]);
+    const vec sc = epc::vset(scale), shift = epc::vset(-scale * top);
+    vec sum = epc::vzero();
+    for (j = 0; j + kLanes <= n; j += kLanes) {
+      const vec e = epc::vexp(epc::vfma(epc::vload(sh + j), sc, shift));
+      epc::vstore(sh + j, e);
+      sum = epc::vadd(sum, e);
+    }
+    float rest = 0.0f;
+    if (j < n) {  // the last lanes: only the first n - j are keys
+      const int k = static_cast<int>(n - j);
+      const vec e = epc::vexp(epc::vfma(epc::vload_n(sh + j, k), sc, shift));
+      epc::vstore_n(sh + j, e, k);
+      for (int l = 0; l < k; ++l) rest += sh[j + l];
+    }
+    inv[h] = 1.0f / (epc::vsum(sum) + rest);
+  }
+  switch (hg) {
+    case 1: latent_output<1>(s, n, rows, rank, inv, out, ldo); break;
+    case 2: latent_output<2>(s, n, rows, rank, inv, out, ldo); break;
+    case 3: latent_output<3>(s, n, rows, rank, inv, out, ldo); break;
+    case 4: latent_output<4>(s, n, rows, rank, inv, out, ldo); break;
+    case 5: latent_output<5>(s, n, rows, rank, inv, out, ldo); break;
+    case 6: latent_output<6>(s, n, rows, rank, inv, out, ldo); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+// q [T, NH, C] (q_nope absorbed into the latent by W_UK, then q_pe); cache [NB, BS, C];
+// tables [T, M] int64, the block table of each query's sequence; lens [T] int64, the keys each
+// query sees (1 .. M * BS) -> [T, NH, rank]: softmax(scale * q . key) weighted sum of the keys'
+// first `rank` numbers. Cache rows past a query's length and table entries past its blocks are
+// never read.
+torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& cache,
+                                  const torch::Tensor& tables, const torch::Tensor& lens,
+                                  double scale, int64_t rank) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 3 && q.size(2) == cache.size(2), "q ", q.sizes(),
+              " and cache ", cache.sizes(), " must be [T, NH, C] and [NB, BS, C]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && cache.scalar_type() == torch::kFloat,
+              "q and cache: fp32");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "q and cache must be contiguous");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) &&
+                  tables.scalar_type() == torch::kLong, "tables: [T, M] int64, got ",
+              tables.sizes());
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == q.size(0) && lens.scalar_type() == torch::kLong &&
+                  lens.is_contiguous(), "lens: [T] int64, got ", lens.sizes());
+  const int64_t T = q.size(0), NH = q.size(1), C = q.size(2);
+  const int64_t NB = cache.size(0), BS = cache.size(1), M = tables.size(1);
+  TORCH_CHECK(0 < rank && rank <= C, "rank ", rank, " must be in (0, ", C, "]");
+  auto out = torch::empty({T, NH, rank}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* cp = cache.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t ts0 = tables.stride(0), ts1 = tables.stride(1);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(1 <= lp[t] && lp[t] <= M * BS, "lens[", t, "] = ", lp[t], ": not in 1..", M * BS);
+    for (int64_t b = 0; b < (lp[t] + BS - 1) / BS; ++b) {
+      const int64_t block = tp[t * ts0 + b * ts1];
+      TORCH_CHECK(0 <= block && block < NB, "tables[", t, ", ", b, "] = ", block,
+                  ": not a block of the cache (", NB, ")");
+    }
+  }
+  const int64_t groups = (NH + kTileX - 1) / kTileX;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const float*> rows;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / groups, h0 = (item % groups) * kTileX;
+      const int hg = static_cast<int>(std::min<int64_t>(kTileX, NH - h0));
+      rows.resize(lp[t]);
+      for (int64_t j = 0; j < lp[t]; ++j)
+        rows[j] = cp + (tp[t * ts0 + (j / BS) * ts1] * BS + j % BS) * C;
+      attend(qp + (t * NH + h0) * C, hg, rows, C, rank, static_cast<float>(scale), scores,
+             op + (t * NH + h0) * rank, rank);
+    }
+  });
+  return out;
+}
