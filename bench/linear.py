@@ -1,5 +1,5 @@
 """Read bandwidth of y = x @ W.T on CPU for a few rows of x, by path: F.linear (MKL), W @ x.T,
-and the AVX2 kernel (kernels/cpu_gemm.cpp); on the projection shapes of the `small` preset, with
+and the compiled kernel (kernels/cpu_gemm.cpp); on the projection shapes of the `small` preset, with
 weights that are not in cache (a rotation of copies larger than the last-level cache). It picks
 kernels/linear.py's switches.
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import record
-from kernels.linear import cpu_kernel
+from kernels.cpu import cpu_kernels
 
 SHAPES = [(32000, 768), (768, 768), (768, 384), (1152, 384)]  # lm_head, o_proj, experts, q_b
 ROWS = (1, 2, 4, 6, 8, 12, 16, 32, 64)
@@ -39,7 +39,7 @@ def speeds(weights: list[torch.Tensor], x: torch.Tensor, kernel) -> dict[str, fl
 
     paths = {"F.linear": lambda: F.linear(x, w()), "W @ x.T": lambda: (w() @ x.T).T}
     if kernel is not None:
-        paths["AVX2 kernel"] = lambda: kernel.few_rows_linear(x, w())
+        paths["compiled kernel"] = lambda: kernel.linear(x, w())
     gb = weights[0].numel() * 4 / 1e9
     return {p: round(gb / median_s(fn), 1) for p, fn in paths.items()}
 
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    kernel = cpu_kernel()
+    kernel = cpu_kernels()
     result = {}
     for n, k in SHAPES:
         weights = [torch.randn(n, k) for _ in range(max(2, 300_000_000 // (n * k * 4)))]

@@ -9,7 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
-from kernels.linear import cpu_kernel
+from kernels.cpu import cpu_kernels
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
 from moe.overlap import Stages, run_interleaved
@@ -22,7 +22,7 @@ class ModelRunner:
         if torch.device(config.device).type == "cpu":
             # NOTE: built (or loaded) now, while the engine starts: the first build takes
             # 20-30 s, which must not land inside a request's deadline.
-            cpu_kernel()
+            cpu_kernels()
         c = model.config
         itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
         bytes_per_block = c.num_hidden_layers * config.block_size * c.kv_cache_width * itemsize

@@ -1,7 +1,10 @@
-"""Which implementation a kernel call runs: the plain-torch reference or the Triton kernel.
+"""Which implementation a kernel call runs: the plain-torch reference, the Triton kernel, or the
+compiled CPU kernel (kernels/cpu.py).
 
 EPCLUSTER_KERNELS chooses, read at every call:
-  auto (default)  Triton for CUDA tensors when triton imports, else the reference;
+  auto (default)  Triton for CUDA tensors when triton imports; the compiled CPU kernel for fp32
+                  CPU tensors when it built (EPCLUSTER_CPU_KERNEL=0 turns it off); else the
+                  reference;
   reference       always the reference;
   triton          always Triton. CPU tensors then run in Triton's interpreter, which must be on
                   (TRITON_INTERPRET=1) before triton is first imported: tests/conftest.py does that
@@ -16,6 +19,8 @@ import os
 from collections.abc import Callable
 
 import torch
+
+from kernels.cpu import cpu_kernels
 
 try:
     import triton
@@ -66,6 +71,16 @@ def use_triton(x: torch.Tensor) -> bool:
             "is imported"
         )
     return True
+
+
+def use_cpu_kernel(x: torch.Tensor) -> bool:
+    """Whether an op on `x` takes the compiled CPU kernel: fp32 on the CPU, in auto mode."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and kernel_mode() == "auto"
+        and cpu_kernels() is not None
+    )
 
 
 def fp32_dot(x: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +31,7 @@ FLAGS = {
     "AVX2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
 }
 ENV_VAR = "EPCLUSTER_CPU_KERNEL"
+STALE_LOCK_S = 300.0  # a build lock older than this was left by a process killed mid-build
 
 
 @functools.cache
@@ -50,9 +52,11 @@ def cpu_kernels() -> ModuleType | None:
     digest = hashlib.sha256(capability.encode())
     for name in SOURCES + HEADERS:
         digest.update(str(HERE / name).encode() + (HERE / name).read_bytes())
+    name = f"epcluster_cpu_kernels_{digest.hexdigest()[:10]}"
+    clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     try:
         return cpp_extension.load(
-            f"epcluster_cpu_kernels_{digest.hexdigest()[:10]}",
+            name,
             [str(HERE / name) for name in SOURCES],
             extra_cflags=FLAGS[capability],
             extra_ldflags=["-fopenmp"],
@@ -60,3 +64,19 @@ def cpu_kernels() -> ModuleType | None:
     except Exception as e:  # no compiler, no headers: slower, still correct
         log.warning("the CPU kernels did not build (%s): using torch's paths", e)
         return None
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock in `build_dir` when it is older than `max_age_s` (a build takes
+    20-60 s). NOTE: torch's FileBaton waits forever for the lock to go, and a process killed
+    mid-build (a stalled rank, Ctrl-C) leaves it behind: every later process would hang."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("removing a stale CPU kernel build lock (%s, %.0f s old)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True

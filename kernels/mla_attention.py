@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from kernels.backend import fp32_dot, jit, tl, triton, use_triton
+from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
+from kernels.cpu import cpu_kernels
 
 
 def causal_attention(
@@ -54,12 +55,18 @@ def paged_latent_attention(
     kv_cache [NB, BS, C]; block_tables [B, M] int (padding entries must be valid block ids);
     context_lens [B] int, >= 1 -> [B, NH, Dc]: attention output in the latent space (apply W_UV
     next).
-    Triton on CUDA tensors (kernels/backend.py), else the torch reference.
+    Triton on CUDA tensors, the compiled kernel on fp32 CPU tensors (kernels/backend.py: it
+    reads the cache blocks in place), else the torch reference.
     """
     if use_triton(q):
         return paged_latent_attention_triton(
             q, kv_cache, block_tables, context_lens, scale, kv_lora_rank
         )
+    if use_cpu_kernel(q) and kv_cache.dtype == torch.float32:
+        return cpu_kernels().paged_mla_attention(
+            q.contiguous(), kv_cache, block_tables.long(), context_lens.long().contiguous(),
+            scale, kv_lora_rank,
+        )  # fmt: skip
     return paged_latent_attention_ref(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank)
 
 

@@ -1,5 +1,5 @@
 """SiLU-and-mul MLPs: one dense MLP, and a grouped MLP over expert-sorted rows (torch reference,
-and a Triton grouped GEMM, also over FP8 block-scaled weights).
+the compiled CPU kernel, and a Triton grouped GEMM, also over FP8 block-scaled weights).
 
 Legend (kernels/__init__.py): N rows, D hidden, I intermediate, S_r expert slots on a rank,
 RB row blocks (each within one slot).
@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import fp32_dot, jit, tl, triton, use_triton
+from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
+from kernels.cpu import cpu_kernels
 from kernels.linear import linear
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_scale_inv block (moe/fp8.py)
@@ -29,10 +30,13 @@ def grouped_expert_mlp(
 
     x [N, D] rows grouped by slot (counts[s] rows for slot s, in slot order, sum(counts) == N);
     w13 [S_r, 2I, D] (gate rows then up rows), w2 [S_r, D, I] -> [N, D] in x's dtype.
-    Triton on CUDA tensors (kernels/backend.py), else the torch reference.
+    Triton on CUDA tensors, the compiled kernel on fp32 CPU tensors (kernels/backend.py: one
+    call per layer, each used expert's weights read once), else the torch reference.
     """
     if use_triton(x):
         return grouped_expert_mlp_triton(x, counts, w13, w2)
+    if use_cpu_kernel(x) and w13.dtype == w2.dtype == torch.float32:
+        return cpu_kernels().grouped_mlp(x.contiguous(), counts, w13.contiguous(), w2.contiguous())
     return grouped_expert_mlp_ref(x, counts, w13, w2)
 
 

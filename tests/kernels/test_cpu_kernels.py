@@ -1,0 +1,141 @@
+"""The compiled CPU kernels (kernels/cpu_gemm.cpp, kernels/cpu_attention.cpp) against the torch
+references: x @ W.T, the grouped expert MLP over slot-sorted rows, and absorbed MLA attention over
+a paged cache read in place (decode and chunked prefill over a cached prefix). Odd sizes, vector
+tails, empty slots, table holes, batch 1; a row's result never depends on the rows around it;
+wrong shapes are refused with a message. Built here by kernels/cpu.py (make test has a compiler)."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from kernels.cpu import clear_stale_lock, cpu_kernels
+from kernels.mla_attention import paged_latent_attention, paged_latent_attention_ref
+from kernels.moe_mlp import grouped_expert_mlp, grouped_expert_mlp_ref
+from tests.kernels.test_mla_attention import paged_case
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2 on this CPU: the torch paths serve")
+    if os.environ.get("EPCLUSTER_CPU_KERNEL") == "0":
+        pytest.skip("EPCLUSTER_CPU_KERNEL=0")
+    module = cpu_kernels()
+    assert module is not None, "the CPU kernels did not build (see the warning)"
+    return module
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 100])
+@pytest.mark.parametrize(("n_out", "k"), [(1, 8), (7, 17), (33, 96), (300, 384)])
+def test_linear_equals_matmul(kernels, rows, n_out, k):
+    gen = torch.Generator().manual_seed(rows * 100 + n_out)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n_out, k, generator=gen)
+    got = kernels.linear(x, w)
+    assert got.shape == (rows, n_out)
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_rows_are_independent_of_the_batch(kernels):
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(13, 70, generator=gen), torch.randn(41, 70, generator=gen)
+    together = kernels.linear(x, w)
+    alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(13)])
+    assert torch.equal(together, alone)
+
+
+def test_linear_refuses_what_it_cannot_take(kernels):
+    with pytest.raises(RuntimeError, match="differ in K"):
+        kernels.linear(torch.randn(2, 8), torch.randn(3, 9))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.linear(torch.randn(2, 8), torch.randn(8, 3).T)
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernels.linear(torch.randn(2, 8).double(), torch.randn(3, 8).double())
+
+
+@pytest.mark.parametrize(
+    "counts, hidden, inter",
+    [
+        ([3, 0, 17, 1], 40, 24),  # odd sizes, an empty slot, a slot over several tiles
+        ([0, 1, 0], 32, 16),  # batch 1 between empty slots
+        ([0, 0], 16, 16),  # no rows
+        ([5, 2, 9, 4, 1, 0, 7, 3], 768, 384),  # the small preset's shapes
+    ],
+)
+def test_grouped_mlp_equals_reference(kernels, counts, hidden, inter):
+    gen = torch.Generator().manual_seed(len(counts) + hidden)
+    x = torch.randn(sum(counts), hidden, generator=gen)
+    w13 = torch.randn(len(counts), 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(len(counts), hidden, inter, generator=gen) / inter**0.5
+    got = kernels.grouped_mlp(x, counts, w13, w2)
+    torch.testing.assert_close(got, grouped_expert_mlp_ref(x, counts, w13, w2), rtol=1e-4, atol=1e-5)
+    # the dispatching entry point takes it on fp32 CPU tensors
+    assert torch.equal(grouped_expert_mlp(x, counts, w13, w2), got)
+
+
+def test_grouped_mlp_refuses_bad_counts(kernels):
+    x, w13, w2 = torch.randn(3, 16), torch.randn(2, 16, 16), torch.randn(2, 16, 8)
+    with pytest.raises(RuntimeError, match="sum to 4"):
+        kernels.grouped_mlp(x, [2, 2], w13, w2)
+    with pytest.raises(RuntimeError, match="for 2 slots"):
+        kernels.grouped_mlp(x, [3], w13, w2)
+
+
+@pytest.mark.parametrize(
+    "context_lens, num_heads, rank, rope, page",
+    [
+        ([5, 33, 1], 3, 24, 8, 4),  # lengths off the page, a 1-token context
+        ([5, 33, 1], 20, 24, 8, 4),  # heads over several groups of 6
+        ([50], 12, 256, 32, 16),  # batch 1, the small preset's widths
+        ([7, 16, 129], 12, 256, 32, 16),
+    ],
+)
+def test_paged_attention_equals_reference(kernels, context_lens, num_heads, rank, rope, page):
+    """The cache is NaN wherever a sequence has no row: a read out of bounds would show."""
+    q, cache, tables, lens = paged_case(
+        context_lens, num_heads, rank, rope, page, torch.float32, "cpu", seed=len(context_lens)
+    )
+    scale = (rank + rope) ** -0.5
+    got = kernels.paged_mla_attention(q, cache, tables, lens, scale, rank)
+    ref = paged_latent_attention_ref(q, cache, tables, lens, scale, rank)
+    assert got.shape == (len(context_lens), num_heads, rank) and not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(paged_latent_attention(q, cache, tables, lens, scale, rank), got)
+
+
+def test_paged_attention_chunked_prefill_sees_its_own_prefix(kernels):
+    """A chunk of queries of one sequence, each with the keys up to its position, equals decode
+    steps one at a time (the same kernel serves both)."""
+    q, cache, tables, lens = paged_case([40], 12, 64, 16, 8, torch.float32, "cpu", seed=3)
+    chunk = torch.randn(6, 12, 80, generator=torch.Generator().manual_seed(4))
+    chunk_lens = torch.arange(35, 41)  # a prefix of 34 cached, 6 new tokens
+    got = kernels.paged_mla_attention(chunk, cache, tables.expand(6, -1).contiguous(),
+                                      chunk_lens, 0.1, 64)  # fmt: skip
+    for i in range(6):
+        one = kernels.paged_mla_attention(chunk[i : i + 1], cache, tables, chunk_lens[i : i + 1],
+                                          0.1, 64)  # fmt: skip
+        assert torch.equal(got[i : i + 1], one)
+        ref = paged_latent_attention_ref(chunk[i : i + 1], cache, tables, chunk_lens[i : i + 1],
+                                         0.1, 64)  # fmt: skip
+        torch.testing.assert_close(one, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_paged_attention_refuses_bad_tables(kernels):
+    q, cache, tables, lens = paged_case([5, 9], 2, 16, 8, 4, torch.float32, "cpu", seed=5)
+    bad = tables.clone()
+    bad[1, 1] = cache.shape[0]  # past the cache
+    with pytest.raises(RuntimeError, match="not a block of the cache"):
+        kernels.paged_mla_attention(q, cache, bad, lens, 0.1, 16)
+    with pytest.raises(RuntimeError, match="not in 1.."):
+        kernels.paged_mla_attention(q, cache, tables, torch.tensor([5, 0]), 0.1, 16)
+
+
+def test_a_stale_build_lock_is_removed_a_live_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path, max_age_s=300) and lock.exists()
+    old = time.time() - 301
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path, max_age_s=300) and not lock.exists()
+    assert not clear_stale_lock(tmp_path)  # no lock at all
