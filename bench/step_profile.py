@@ -37,16 +37,16 @@ def timed(region: str, fn):
 
 def instrument(engine: LLMEngine) -> None:
     """Wrap the region functions (instances and module attributes the model calls)."""
-    moe.layers.grouped_expert_mlp = timed("routed experts", moe.layers.grouped_expert_mlp)
-    moe.attention.paged_latent_attention = timed(
-        "paged attention", moe.attention.paged_latent_attention
-    )
+    # NOTE: mla_decode is the absorbed decode: W_UK, the paged attention and W_UV (one call of
+    # the compiled kernel on CPU); the W_UK / W_UV multiplies were "other attention" before it.
+    moe.attention.mla_decode = timed("paged attention", moe.attention.mla_decode)
     model = engine.model
     model.compute_logits = timed("lm_head", model.compute_logits)
     for module in model.modules():
         if isinstance(module, moe.attention.MLAttention):
             module.forward = timed("attention (all)", module.forward)
         elif isinstance(module, moe.layers.MoE):
+            module.experts.forward = timed("routed experts", module.experts.forward)
             if module.shared_experts is not None:
                 module.shared_experts.forward = timed(
                     "shared experts", module.shared_experts.forward

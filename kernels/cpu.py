@@ -1,5 +1,6 @@
 """The compiled CPU kernels: kernels/cpu_gemm.cpp (y = x @ W.T, the routed experts' MLPs in one
-call per layer) and kernels/cpu_attention.cpp (absorbed MLA attention over the paged cache),
+call per layer), kernels/cpu_attention.cpp (absorbed MLA attention over the paged cache) and
+kernels/cpu_ops.cpp (the step's small ops: RMSNorm, rotary, the gate, the expert combine),
 fp32, built on first use by torch's cpp_extension for the widest vectors the CPU has.
 
 They exist because torch's CPU paths leave most of this machine unused at decode sizes: MKL
@@ -24,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_gemm.cpp", "cpu_attention.cpp")
+SOURCES = ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_ops.cpp")
 HEADERS = ("cpu_simd.h",)
 FLAGS = {
     "AVX512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"],

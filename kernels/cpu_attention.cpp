@@ -162,3 +162,63 @@ torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& c
   });
   return out;
 }
+
+// The whole absorbed MLA decode attention in one call: q_nope [T, NH, Dn] (last dim unit stride,
+// other strides free), q_pe [T, NH, Dr] roped, the cache and tables as paged_mla_attention,
+// w_uk_t [NH, Dc, Dn] (W_UK transposed), w_uv [NH, Dv, Dc] -> [T, NH, Dv]. The same numbers as
+// q_lat = q_nope W_UK; o = attention(q_lat ++ q_pe); o W_UV.T, without the ops between them.
+// Phases by head (each head's W_UK / W_UV read once for all T queries), then by query.
+torch::Tensor mla_decode(const torch::Tensor& q_nope, const torch::Tensor& q_pe,
+                         const torch::Tensor& cache, const torch::Tensor& tables,
+                         const torch::Tensor& lens, const torch::Tensor& w_uk_t,
+                         const torch::Tensor& w_uv, double scale) {
+  TORCH_CHECK(q_nope.dim() == 3 && q_nope.stride(2) == 1 && q_pe.dim() == 3 &&
+                  q_pe.stride(2) == 1 && w_uk_t.dim() == 3 && w_uv.dim() == 3 &&
+                  w_uk_t.is_contiguous() && w_uv.is_contiguous(),
+              "q_nope, q_pe [T, NH, *] with unit last stride; w_uk_t, w_uv contiguous");
+  for (const auto* t : {&q_nope, &q_pe, &w_uk_t, &w_uv})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat, "mla_decode: fp32 tensors");
+  const int64_t T = q_nope.size(0), NH = q_nope.size(1), Dn = q_nope.size(2), Dr = q_pe.size(2);
+  const int64_t Dc = w_uk_t.size(1), Dv = w_uv.size(1), C = Dc + Dr;
+  TORCH_CHECK(q_pe.size(0) == T && q_pe.size(1) == NH && w_uk_t.size(0) == NH &&
+                  w_uk_t.size(2) == Dn && w_uv.size(0) == NH && w_uv.size(2) == Dc &&
+                  cache.dim() == 3 && cache.size(2) == C,
+              "shapes: q_nope ", q_nope.sizes(), " q_pe ", q_pe.sizes(), " w_uk_t ",
+              w_uk_t.sizes(), " w_uv ", w_uv.sizes(), " cache ", cache.sizes());
+  auto q = torch::empty({T, NH, C}, q_nope.options());
+  auto out = torch::empty({T, NH, Dv}, q_nope.options());
+  if (T == 0) return out;
+  const float* qn = q_nope.data_ptr<float>();
+  const int64_t qs0 = q_nope.stride(0), qs1 = q_nope.stride(1);
+  float* qp = q.data_ptr<float>();
+  // q[t, h, :Dc] = q_nope[t, h] @ W_UK[h]: the rows of W_UK.T against the head's T queries
+  const int64_t tiles = (Dc + epc::kTileW - 1) / epc::kTileW;
+  at::parallel_for(0, NH * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / tiles, n0 = (item % tiles) * epc::kTileW;
+      const int nw = static_cast<int>(std::min<int64_t>(epc::kTileW, Dc - n0));
+      const float* wr[epc::kTileW];
+      for (int j = 0; j < nw; ++j) wr[j] = w_uk_t.data_ptr<float>() + (h * Dc + n0 + j) * Dn;
+      epc::dot_rows(wr, nw, qn + h * qs1, qs0, T, Dn, qp + h * C + n0, NH * C);
+    }
+  });
+  const auto pe = q_pe.accessor<float, 3>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < NH; ++h)
+      for (int64_t r = 0; r < Dr; ++r) qp[(t * NH + h) * C + Dc + r] = pe[t][h][r];
+  const torch::Tensor latent = paged_mla_attention(q, cache, tables, lens, scale, Dc);
+  const float* lp = latent.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // out[t, h] = latent[t, h] @ W_UV[h].T
+  const int64_t vtiles = (Dv + epc::kTileW - 1) / epc::kTileW;
+  at::parallel_for(0, NH * vtiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / vtiles, n0 = (item % vtiles) * epc::kTileW;
+      const int nw = static_cast<int>(std::min<int64_t>(epc::kTileW, Dv - n0));
+      const float* wr[epc::kTileW];
+      for (int j = 0; j < nw; ++j) wr[j] = w_uv.data_ptr<float>() + (h * Dv + n0 + j) * Dc;
+      epc::dot_rows(wr, nw, lp + h * Dc, NH * Dc, T, Dc, op + h * Dv + n0, NH * Dv);
+    }
+  });
+  return out;
+}

@@ -119,7 +119,27 @@ torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& c
                                   const torch::Tensor& tables, const torch::Tensor& lens,
                                   double scale, int64_t rank);
 
+torch::Tensor mla_decode(const torch::Tensor& q_nope, const torch::Tensor& q_pe,
+                         const torch::Tensor& cache, const torch::Tensor& tables,
+                         const torch::Tensor& lens, const torch::Tensor& w_uk_t,
+                         const torch::Tensor& w_uv, double scale);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                     bool interleaved);
+std::vector<torch::Tensor> grouped_topk(const torch::Tensor& logits, int64_t top_k, int64_t scoring,
+                                        int64_t method, int64_t n_group, int64_t topk_group,
+                                        bool norm, double scaling,
+                                        const c10::optional<torch::Tensor>& bias);
+torch::Tensor combine(const torch::Tensor& rows, const torch::Tensor& send_order,
+                      const torch::Tensor& weights);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mla_decode", &mla_decode,
+        "absorbed MLA decode: W_UK, attention over the paged cache, W_UV, in one call (fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, D] rows (fp32)");
+  m.def("rotary", &rotary, "rotary embedding of [T, (H,) Dr] (fp32)");
+  m.def("grouped_topk", &grouped_topk, "the MoE gate: scores and group-limited top-k (fp32)");
+  m.def("combine", &combine, "weighted sum of each token's expert rows (fp32)");
   m.def("linear", &linear, "x @ w.T (fp32)");
   m.def("grouped_mlp", &grouped_mlp, "SiLU-gated expert MLPs over slot-sorted rows (fp32)");
   m.def("paged_mla_attention", &paged_mla_attention,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import jit, tl, triton, use_triton
+from kernels.backend import jit, tl, triton, use_cpu_kernel, use_triton
+from kernels.cpu import cpu_kernels
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -25,10 +26,18 @@ def grouped_topk(
     e_score_correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] fp32 -> (topk_weights [T, K] fp32, topk_idx [T, K] int64); see
-    grouped_topk_ref. Triton on CUDA tensors (kernels/backend.py), else the torch reference."""
+    grouped_topk_ref. Triton on CUDA tensors, the compiled kernel on fp32 CPU tensors
+    (kernels/backend.py), else the torch reference."""
     args = (router_logits, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob)
     if use_triton(router_logits):
         return grouped_topk_triton(*args, routed_scaling_factor, e_score_correction_bias)
+    if use_cpu_kernel(router_logits) and router_logits.shape[1] <= 256:
+        weights, ids = cpu_kernels().grouped_topk(
+            router_logits.contiguous(), top_k, SCORING_FUNCS.index(scoring_func),
+            TOPK_METHODS.index(topk_method), n_group, topk_group, norm_topk_prob,
+            routed_scaling_factor, e_score_correction_bias,
+        )  # fmt: skip
+        return weights, ids
     return grouped_topk_ref(*args, routed_scaling_factor, e_score_correction_bias)
 
 

@@ -40,3 +40,16 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.bias is None
         return linear(x, self.weight)
+
+
+def fuse_rows(*layers: nn.Linear) -> torch.Tensor:
+    """One [sum of out features, in] weight for layers that take the same input, so one call
+    computes all of them; each layer's weight becomes a view of its rows (no copy kept, the state
+    dict unchanged). -> the fused weight."""
+    fused = torch.cat([layer.weight.detach() for layer in layers])
+    start = 0
+    for layer in layers:
+        rows = layer.weight.shape[0]
+        layer.weight.data = fused[start : start + rows]
+        start += rows
+    return fused

@@ -70,6 +70,34 @@ def paged_latent_attention(
     return paged_latent_attention_ref(q, kv_cache, block_tables, context_lens, scale, kv_lora_rank)
 
 
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    w_uk_t: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weight-absorbed MLA decode, one query per sequence: q_nope [B, NH, Dn], q_pe [B, NH, Dr]
+    (roped), the paged cache as paged_latent_attention, w_uk [NH, Dn, Dc], w_uv [NH, Dv, Dc]
+    (w_uk_t: w_uk transposed, contiguous, for the compiled kernel) -> [B, NH, Dv].
+    q_lat = q_nope W_UK; latent attention; its output W_UV.T. One call of the compiled kernel
+    on fp32 CPU tensors; else those three steps (Triton or the reference for the attention)."""
+    if w_uk_t is not None and use_cpu_kernel(q_nope) and kv_cache.dtype == torch.float32:
+        return cpu_kernels().mla_decode(
+            q_nope, q_pe.contiguous(), kv_cache, block_tables, context_lens, w_uk_t, w_uv, scale
+        )
+    q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [B, NH, Dc]
+    o_lat = paged_latent_attention(
+        torch.cat([q_lat, q_pe], dim=-1), kv_cache, block_tables, context_lens, scale,
+        w_uk.shape[-1],
+    )  # fmt: skip
+    return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+
 def paged_latent_attention_ref(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -5,6 +5,9 @@ Legend (kernels/__init__.py): T tokens, NH heads, Dr rope dims (even).
 
 import torch
 
+from kernels.backend import use_cpu_kernel
+from kernels.cpu import cpu_kernels
+
 
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float
@@ -24,6 +27,8 @@ def apply_rotary(
     same layout, so dot products are unchanged. Otherwise pairs are (x_i, x_{i+D/2}).
     """
     assert x.shape[-1] == 2 * cos.shape[-1], (x.shape, cos.shape)
+    if use_cpu_kernel(x) and x.stride(-1) == 1 and cos.dtype == torch.float32:
+        return cpu_kernels().rotary(x, cos.contiguous(), sin.contiguous(), interleaved)
     if x.dim() == 3:
         cos, sin = cos[:, None, :], sin[:, None, :]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)

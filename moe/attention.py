@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.linear import Linear
-from kernels.mla_attention import causal_attention, gather_latent, paged_latent_attention
+from kernels.linear import Linear, fuse_rows, linear
+from kernels.mla_attention import causal_attention, gather_latent, mla_decode
 from kernels.rotary import apply_rotary
 from moe.config import ModelConfig
 from moe.layers import RMSNorm
@@ -34,7 +34,9 @@ class PagedKV:
     absorb: bool = True  # single-token queries use the latent (absorbed) path
     decode_seqs: torch.Tensor = field(init=False)  # [Bd] sequences with one new token
     decode_tokens: torch.Tensor = field(init=False)  # [Bd] their token index in the flat batch
-    decode_context_lens: torch.Tensor = field(init=False)  # [Bd]
+    decode_context_lens: torch.Tensor = field(init=False)  # [Bd] int64
+    decode_block_tables: torch.Tensor = field(init=False)  # [Bd, M] int64
+    all_decode: bool = field(init=False)  # every token decodes: the flat batch is in seq order
     prefill_seqs: list[tuple[int, int, int, int]] = field(init=False)  # (seq, start, end, ctx)
 
     def __post_init__(self) -> None:
@@ -52,6 +54,9 @@ class PagedKV:
         self.decode_seqs = torch.tensor(decode, dtype=torch.long)
         self.decode_tokens = torch.tensor(decode_tok, dtype=torch.long)
         self.decode_context_lens = torch.tensor([self.context_lens[i] for i in decode])
+        # NOTE: once per step here, not once per layer in the attention
+        self.decode_block_tables = self.block_tables[self.decode_seqs].long()
+        self.all_decode = not prefill
         self.prefill_seqs = prefill
 
 
@@ -76,13 +81,22 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
         self.scale = c.softmax_scale
         self.w_uk: torch.Tensor | None = None  # [NH, Dn, Dc]
+        self.w_uk_t: torch.Tensor | None = None  # [NH, Dc, Dn]
         self.w_uv: torch.Tensor | None = None  # [NH, Dv, Dc]
+        self.w_in: torch.Tensor | None = None  # [q_lora_rank or NH * (Dn + Dr), + C] (fuse())
+
+    def fuse(self) -> None:
+        """After loading: the two projections of the input (q_a_proj or q_proj, and
+        kv_a_proj_with_mqa) in one weight, so one call computes both."""
+        first = self.q_proj if self.config.q_lora_rank is None else self.q_a_proj
+        self.w_in = fuse_rows(first, self.kv_a_proj_with_mqa)
 
     def absorb_weights(self) -> None:
         """Split kv_b_proj into W_UK and W_UV for the latent decode path (after loading)."""
         c = self.config
         w = self.kv_b_proj.weight.detach().view(self.num_heads, -1, c.kv_lora_rank)
         self.w_uk = w[:, : c.qk_nope_head_dim].contiguous()
+        self.w_uk_t = self.w_uk.transpose(1, 2).contiguous()
         self.w_uv = w[:, c.qk_nope_head_dim :].contiguous()
 
     def _project(
@@ -91,13 +105,17 @@ class MLAttention(nn.Module):
         """x [T, D] -> q_nope [T, NH, Dn], q_pe [T, NH, Dr], latent [T, C] (normed kv_c, then
         roped k_pe)"""
         c = self.config
-        if c.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.w_in is not None:
+            q, kv_a = linear(x, self.w_in).split([self.w_in.shape[0] - c.kv_cache_width,
+                                                  c.kv_cache_width], dim=-1)  # fmt: skip
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = (self.q_proj if c.q_lora_rank is None else self.q_a_proj)(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        if c.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(x.shape[0], self.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         q_pe = apply_rotary(q_pe, cos, sin, c.rope_interleave)
         k_pe = apply_rotary(k_pe, cos, sin, c.rope_interleave)
         latent = torch.cat([self.kv_a_layernorm(kv_c), k_pe], dim=-1)  # [T, C]
@@ -122,10 +140,10 @@ class MLAttention(nn.Module):
         """x [T, D] -> [T, D]. Without kv, the flat batch is whole sequences of seq_lens tokens."""
         c = self.config
         q_nope, q_pe, latent = self._project(x, cos, sin)
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, NH, Dn + Dr]
-        out = x.new_empty(x.shape[0], self.num_heads, c.v_head_dim)  # [T, NH, Dv]
         if kv is None:
             assert seq_lens is not None and sum(seq_lens) == x.shape[0]
+            q = torch.cat([q_nope, q_pe], dim=-1)  # [T, NH, Dn + Dr]
+            out = x.new_empty(x.shape[0], self.num_heads, c.v_head_dim)  # [T, NH, Dv]
             start = 0
             for n in seq_lens:
                 k, v = self._expand(latent[start : start + n])
@@ -135,19 +153,24 @@ class MLAttention(nn.Module):
 
         cache = kv.kv_caches[self.layer]  # [NB, BS, C]
         cache.view(-1, c.kv_cache_width)[kv.slot_mapping] = latent.to(cache.dtype)
+        if kv.all_decode:  # the flat batch is one token per sequence: no gathers
+            out = self._decode(q_nope, q_pe, cache, kv).to(x.dtype)
+            return self.o_proj(out.flatten(1))
+        out = x.new_empty(x.shape[0], self.num_heads, c.v_head_dim)  # [T, NH, Dv]
         if kv.decode_seqs.numel():
             tok = kv.decode_tokens
-            q_lat = torch.einsum("thd,hdr->thr", q_nope[tok], self.w_uk)  # [Bd, NH, Dc]
-            o_lat = paged_latent_attention(
-                torch.cat([q_lat, q_pe[tok]], dim=-1),
-                cache,
-                kv.block_tables[kv.decode_seqs],
-                kv.decode_context_lens,
-                self.scale,
-                c.kv_lora_rank,
-            )  # [Bd, NH, Dc]
-            out[tok] = torch.einsum("thr,hvr->thv", o_lat, self.w_uv).to(out.dtype)
+            out[tok] = self._decode(q_nope[tok], q_pe[tok], cache, kv).to(out.dtype)
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, NH, Dn + Dr]
         for seq, start, end, ctx in kv.prefill_seqs:
             k, v = self._expand(gather_latent(cache, kv.block_tables[seq], ctx).to(x.dtype))
             out[start:end] = causal_attention(q[start:end], k, v, self.scale)
         return self.o_proj(out.flatten(1))
+
+    def _decode(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv: PagedKV
+    ) -> torch.Tensor:
+        """The decoding sequences' queries [Bd, NH, *] -> [Bd, NH, Dv], absorbed."""
+        return mla_decode(
+            q_nope, q_pe, cache, kv.decode_block_tables, kv.decode_context_lens, self.w_uk,
+            self.w_uv, self.scale, self.w_uk_t,
+        )  # fmt: skip

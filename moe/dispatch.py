@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from kernels.backend import use_cpu_kernel
+from kernels.cpu import cpu_kernels
 from moe.placement import Placement
 
 if TYPE_CHECKING:
@@ -140,6 +142,10 @@ class CombineHandle:
         """[T, D] in the rows' dtype: sum over k of topk_weights[t, k] * expert row (t, k)."""
         self.wait()
         handle = self.dispatch
+        if use_cpu_kernel(self.rows) and handle.topk_weights.dtype == torch.float32:
+            return cpu_kernels().combine(
+                self.rows.contiguous(), handle.send_order, handle.topk_weights.contiguous()
+            )  # the same sum, in k order, in one op
         num_tokens, top_k = handle.topk_weights.shape
         hidden = self.rows.shape[1]
         # NOTE: a gather and a sum over K, not index_add_: the same order of additions on every

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.gate import grouped_topk
-from kernels.linear import Linear
+from kernels.linear import Linear, fuse_rows
 from kernels.moe_mlp import grouped_expert_mlp, silu_and_mul
 from kernels.rmsnorm import rms_norm
 from moe.config import ModelConfig
@@ -38,9 +38,19 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
+        self.w13: torch.Tensor | None = None  # [2I, D]: gate_proj then up_proj rows (fuse())
+
+    def fuse(self) -> None:
+        """After loading: gate_proj and up_proj in one weight (theirs become views of it)."""
+        self.w13 = fuse_rows(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        return self.down_proj(silu_and_mul(gate_up))
+        if self.w13 is None:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+            return self.down_proj(silu_and_mul(gate_up))
+        # one expert over every row: the grouped MLP (one call of the compiled kernel on CPU)
+        w2 = self.down_proj.weight
+        return grouped_expert_mlp(x, [x.shape[0]], self.w13[None], w2[None])
 
 
 class Gate(nn.Module):

@@ -94,9 +94,14 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def prepare(self) -> None:
-        """Derive what the fast paths need from loaded weights (absorbed MLA matrices)."""
+        """Derive what the fast paths need from loaded weights (absorbed MLA matrices, fused
+        projections)."""
         for layer in self.model.layers:
             layer.self_attn.absorb_weights()
+            layer.self_attn.fuse()
+            for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
+                if isinstance(mlp, MLP):
+                    mlp.fuse()
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]

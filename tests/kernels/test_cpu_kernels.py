@@ -69,7 +69,9 @@ def test_grouped_mlp_equals_reference(kernels, counts, hidden, inter):
     w13 = torch.randn(len(counts), 2 * inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(len(counts), hidden, inter, generator=gen) / inter**0.5
     got = kernels.grouped_mlp(x, counts, w13, w2)
-    torch.testing.assert_close(got, grouped_expert_mlp_ref(x, counts, w13, w2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        got, grouped_expert_mlp_ref(x, counts, w13, w2), rtol=1e-4, atol=1e-5
+    )
     # the dispatching entry point takes it on fp32 CPU tensors
     assert torch.equal(grouped_expert_mlp(x, counts, w13, w2), got)
 
@@ -139,3 +141,102 @@ def test_a_stale_build_lock_is_removed_a_live_one_kept(tmp_path):
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path, max_age_s=300) and not lock.exists()
     assert not clear_stale_lock(tmp_path)  # no lock at all
+
+
+def test_rms_norm_equals_reference(kernels, monkeypatch):
+    from kernels.rmsnorm import rms_norm
+
+    gen = torch.Generator().manual_seed(6)
+    for rows, width in [(1, 8), (5, 37), (32, 768)]:
+        x, w = torch.randn(rows, width + 3, generator=gen), torch.randn(width, generator=gen)
+        x = x[:, 3:]  # strided rows
+        got = kernels.rms_norm(x, w, 1e-6)
+        monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
+        ref = rms_norm(x, w, 1e-6)
+        monkeypatch.delenv("EPCLUSTER_KERNELS")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        assert torch.equal(rms_norm(x, w, 1e-6), got)  # the public op takes it
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_equals_reference(kernels, interleaved, monkeypatch):
+    from kernels.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(7)
+    cos, sin = torch.randn(5, 16, generator=gen), torch.randn(5, 16, generator=gen)
+    q = torch.randn(5, 3, 40, generator=gen)[..., 8:]  # [T, H, 32], strided
+    k = torch.randn(5, 50, generator=gen)[:, 18:]  # [T, 32], strided
+    for x in (q, k):
+        got = kernels.rotary(x, cos, sin, interleaved)
+        monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
+        ref = apply_rotary(x, cos, sin, interleaved)
+        monkeypatch.delenv("EPCLUSTER_KERNELS")
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "scoring, method, groups, topk_group, norm",
+    [
+        ("sigmoid", "noaux_tc", 4, 2, True),  # DeepSeek-V3
+        ("softmax", "group_limited_greedy", 4, 2, False),  # DeepSeek-V2
+        ("softmax", "greedy", 1, 1, False),  # V2-Lite
+        ("sigmoid", "noaux_tc", 8, 4, True),
+    ],
+)
+def test_gate_equals_reference(kernels, scoring, method, groups, topk_group, norm):
+    from kernels.gate import grouped_topk_ref
+
+    gen = torch.Generator().manual_seed(8)
+    logits, bias = torch.randn(33, 32, generator=gen), torch.randn(32, generator=gen) * 0.1
+    args = (logits, 6, scoring, method, groups, topk_group, norm, 2.5, bias)
+    ref_w, ref_i = grouped_topk_ref(*args)
+    w, i = kernels.grouped_topk(logits, 6, ("softmax", "sigmoid").index(scoring),
+                                ("greedy", "group_limited_greedy", "noaux_tc").index(method),
+                                groups, topk_group, norm, 2.5, bias)  # fmt: skip
+    # the same experts per row, in whichever order, with the same weights
+    i, order = i.sort(1)
+    ref_i, ref_order = ref_i.sort(1)
+    assert torch.equal(i, ref_i)
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)
+
+
+def test_combine_equals_reference(kernels):
+    from moe.dispatch import CombineHandle, DispatchHandle
+
+    gen = torch.Generator().manual_seed(9)
+    tokens, top_k, hidden = 7, 3, 20
+    weights = torch.rand(tokens, top_k, generator=gen)
+    send_order = torch.randperm(tokens * top_k, generator=gen)
+    rows = torch.randn(tokens * top_k, hidden, generator=gen)
+    got = kernels.combine(rows, send_order, weights)
+    by_pair = torch.empty_like(rows)
+    by_pair[send_order] = rows
+    ref = (by_pair.view(tokens, top_k, hidden) * weights[:, :, None]).sum(1)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    handle = DispatchHandle(weights, send_order, rows)
+    assert torch.equal(CombineHandle(handle, rows).output(), got)
+    with pytest.raises(RuntimeError, match="not a permutation"):
+        kernels.combine(rows, torch.zeros(tokens * top_k, dtype=torch.long), weights)
+
+
+@pytest.mark.parametrize("context_lens", [[1], [5, 33, 17]])
+def test_mla_decode_equals_the_three_steps(kernels, context_lens, monkeypatch):
+    """W_UK, the paged attention and W_UV in one call equal the reference's einsum, attention,
+    einsum (q_nope a strided view, as the attention passes it)."""
+    from kernels.mla_attention import mla_decode
+
+    heads, nope, rope, rank, dv = 5, 24, 8, 32, 20
+    q_lat, cache, tables, lens = paged_case(context_lens, heads, rank, rope, 4, torch.float32,
+                                            "cpu", seed=10)  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(len(context_lens), heads, nope + rope, generator=gen)
+    q_nope, q_pe = q.split([nope, rope], dim=-1)
+    w_uk = torch.randn(heads, nope, rank, generator=gen) / nope**0.5
+    w_uv = torch.randn(heads, dv, rank, generator=gen) / rank**0.5
+    got = mla_decode(q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3,
+                     w_uk.transpose(1, 2).contiguous())  # fmt: skip
+    monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
+    ref = mla_decode(q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3)
+    assert got.shape == (len(context_lens), heads, dv) and not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
