@@ -4,7 +4,9 @@
 the last token); prefill tok/s of the B x 128 prompt tokens. Beside them: the machine's measured
 read bandwidth, and at each batch the roofline of a decode step: the bytes it must read (every
 dense weight, and the routed experts the step actually used, each once, as counted by the
-dispatchers) over that bandwidth.
+dispatchers) over that bandwidth, or the step's multiply-adds (2 x the weights a token uses x B)
+over the machine's measured fp32 peak (the faster of MKL's large sgemm and the compiled kernel on
+weights in cache), whichever takes longer.
 
     .venv/bin/python -m bench.decode_speed [--model small] [--batches 1 8 32] [--threads 2]
 """
@@ -26,6 +28,23 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     x.sum()
     best = min(_timed(lambda: x.sum()) for _ in range(repeats))
     return x.numel() * 4 / best
+
+
+def peak_flops(repeats: int = 5) -> float:
+    """fp32 multiply-add FLOP/s: the best of MKL's sgemm on 2048^3 and the compiled kernel
+    (kernels/cpu.py) on 96 rows x a 3 MB weight that stays in cache."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    best = 2 * 2048**3 / min(_timed(lambda: a @ b) for _ in range(repeats))
+    from kernels.cpu import cpu_kernels
+
+    kernel = cpu_kernels()
+    if kernel is not None:
+        x, w = torch.randn(96, 768), torch.randn(1024, 768)
+        kernel.linear(x, w)
+        seconds = min(_timed(lambda: [kernel.linear(x, w) for _ in range(20)]) for _ in range(5))
+        best = max(best, 20 * 2 * 96 * 768 * 1024 / seconds)
+    return best
 
 
 def _timed(fn) -> float:
@@ -104,7 +123,9 @@ def main() -> None:
                      enable_prefix_caching=False)
     )  # fmt: skip
     vocab = engine.model.config.vocab_size
-    bandwidth = read_bandwidth()
+    bandwidth, peak = read_bandwidth(), peak_flops()
+    top_k = engine.model.config.num_experts_per_tok
+    itemsize = engine.model.lm_head.weight.element_size()
     dense, per_expert, num_moe = weight_bytes(engine.model)
     run_batch(engine, 2, vocab, seed=999)  # warm-up
     rows = {}
@@ -114,22 +135,30 @@ def main() -> None:
         prefill = [batch * 128 / r["prefill_s"] for r in runs]
         step_ms = statistics.median(r["decode_step_ms_median"] for r in runs)
         experts = statistics.median(r["experts_used_per_step"] for r in runs)
-        roofline_s = (dense + experts * per_expert) / bandwidth
+        memory_s = (dense + experts * per_expert) / bandwidth
+        flops = 2 * batch * (dense + top_k * num_moe * per_expert) / itemsize
+        roofline_s = max(memory_s, flops / peak)
         rows[str(batch)] = {
             "decode_tok_s": [round(x, 1) for x in decode],
             "prefill_tok_s": [round(x, 1) for x in prefill],
             "decode_step_ms": round(step_ms, 1),
             "experts_used_per_step": experts,
             "experts_per_moe_layer": round(experts / num_moe, 1),
+            "roofline_memory_ms": round(memory_s * 1e3, 1),
+            "roofline_compute_ms": round(flops / peak * 1e3, 1),
             "roofline_step_ms": round(roofline_s * 1e3, 1),
             "roofline_tok_s": round(batch / roofline_s, 1),
             "fraction_of_roofline": round(roofline_s * 1e3 / step_ms, 3),
+            "fraction_of_roofline_by_tok_s": round(
+                statistics.median(decode) * roofline_s / batch, 3
+            ),
         }
         print(batch, rows[str(batch)], flush=True)
     result = {
         "model": args.model,
         "threads": args.threads,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "peak_fp32_gflop_s": round(peak / 1e9, 1),
         "dense_weight_mb": round(dense / 1e6, 1),
         "expert_mb": round(per_expert / 1e6, 2),
         "batches": rows,

@@ -2,8 +2,8 @@
 
 Legend (kernels/__init__.py): T tokens of the flat batch, B sequences, D hidden, NH heads,
 Dn / Dr / Dv nope, rope and value head dims, Dc kv_lora_rank, C = Dc + Dr cached numbers per
-token, NB cache blocks, BS block size, M blocks per table, J context positions, Bd sequences
-that decode (one new token).
+token, NB cache blocks, BS block size, M blocks per table, J context positions, Ta tokens of the
+absorbed path (decode tokens and short chunks).
 """
 
 from dataclasses import dataclass, field
@@ -16,6 +16,13 @@ from kernels.mla_attention import causal_attention, gather_latent, mla_decode
 from kernels.rotary import apply_rotary
 from moe.config import ModelConfig
 from moe.layers import RMSNorm
+
+# Queries of a sequence up to this many take the absorbed path (q_nope W_UK against the latent
+# cache, read in place), longer chunks the expanded one (keys and values from kv_b_proj). Per
+# query and key the absorbed path costs NH (2 Dc + Dr) multiply-adds, the expanded NH (Dn + Dr +
+# Dv) plus, once per key, the expansion NH Dc (Dn + Dv): absorbed is cheaper while
+# q NH (2 Dc - Dn - Dv) < NH Dc (Dn + Dv), i.e. q < 85 on DeepSeek-V3's and the presets' shapes.
+ABSORB_MAX_QUERY = 64
 
 
 @dataclass(slots=True)
@@ -31,32 +38,31 @@ class PagedKV:
     block_tables: torch.Tensor  # [B, M] int64, padded with a valid block id
     query_lens: list[int]
     context_lens: list[int]
-    absorb: bool = True  # single-token queries use the latent (absorbed) path
-    decode_seqs: torch.Tensor = field(init=False)  # [Bd] sequences with one new token
-    decode_tokens: torch.Tensor = field(init=False)  # [Bd] their token index in the flat batch
-    decode_context_lens: torch.Tensor = field(init=False)  # [Bd] int64
-    decode_block_tables: torch.Tensor = field(init=False)  # [Bd, M] int64
-    all_decode: bool = field(init=False)  # every token decodes: the flat batch is in seq order
+    absorb: bool = True  # short queries use the latent (absorbed) path
+    absorbed_tokens: torch.Tensor = field(init=False)  # [Ta] tokens of the absorbed path
+    absorbed_lens: torch.Tensor = field(init=False)  # [Ta] int64 keys each of them sees
+    absorbed_tables: torch.Tensor = field(init=False)  # [Ta, M] int64 its sequence's table
+    all_absorbed: bool = field(init=False)  # every token: then absorbed_tokens is 0 .. T-1
     prefill_seqs: list[tuple[int, int, int, int]] = field(init=False)  # (seq, start, end, ctx)
 
     def __post_init__(self) -> None:
         assert len(self.query_lens) == len(self.context_lens) == self.block_tables.shape[0]
         assert sum(self.query_lens) == self.slot_mapping.shape[0]
-        decode, decode_tok, prefill, start = [], [], [], 0
+        tokens, lens, seqs, prefill, start = [], [], [], [], 0
         for i, (q, ctx) in enumerate(zip(self.query_lens, self.context_lens)):
             assert 1 <= q <= ctx, (i, q, ctx)
-            if q == 1 and self.absorb:
-                decode.append(i)
-                decode_tok.append(start)
+            if q <= ABSORB_MAX_QUERY and self.absorb:  # decode, or a short chunk
+                tokens.extend(range(start, start + q))
+                lens.extend(range(ctx - q + 1, ctx + 1))  # each query sees up to itself
+                seqs.extend([i] * q)
             else:
                 prefill.append((i, start, start + q, ctx))
             start += q
-        self.decode_seqs = torch.tensor(decode, dtype=torch.long)
-        self.decode_tokens = torch.tensor(decode_tok, dtype=torch.long)
-        self.decode_context_lens = torch.tensor([self.context_lens[i] for i in decode])
+        self.absorbed_tokens = torch.tensor(tokens, dtype=torch.long)
+        self.absorbed_lens = torch.tensor(lens, dtype=torch.long)
         # NOTE: once per step here, not once per layer in the attention
-        self.decode_block_tables = self.block_tables[self.decode_seqs].long()
-        self.all_decode = not prefill
+        self.absorbed_tables = self.block_tables[torch.tensor(seqs, dtype=torch.long)].long()
+        self.all_absorbed = not prefill
         self.prefill_seqs = prefill
 
 
@@ -153,24 +159,25 @@ class MLAttention(nn.Module):
 
         cache = kv.kv_caches[self.layer]  # [NB, BS, C]
         cache.view(-1, c.kv_cache_width)[kv.slot_mapping] = latent.to(cache.dtype)
-        if kv.all_decode:  # the flat batch is one token per sequence: no gathers
-            out = self._decode(q_nope, q_pe, cache, kv).to(x.dtype)
+        if kv.all_absorbed:  # decode and short chunks only: no gathers
+            out = self._absorbed(q_nope, q_pe, cache, kv).to(x.dtype)
             return self.o_proj(out.flatten(1))
         out = x.new_empty(x.shape[0], self.num_heads, c.v_head_dim)  # [T, NH, Dv]
-        if kv.decode_seqs.numel():
-            tok = kv.decode_tokens
-            out[tok] = self._decode(q_nope[tok], q_pe[tok], cache, kv).to(out.dtype)
+        if kv.absorbed_tokens.numel():
+            tok = kv.absorbed_tokens
+            out[tok] = self._absorbed(q_nope[tok], q_pe[tok], cache, kv).to(out.dtype)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, NH, Dn + Dr]
         for seq, start, end, ctx in kv.prefill_seqs:
             k, v = self._expand(gather_latent(cache, kv.block_tables[seq], ctx).to(x.dtype))
             out[start:end] = causal_attention(q[start:end], k, v, self.scale)
         return self.o_proj(out.flatten(1))
 
-    def _decode(
+    def _absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, kv: PagedKV
     ) -> torch.Tensor:
-        """The decoding sequences' queries [Bd, NH, *] -> [Bd, NH, Dv], absorbed."""
+        """The absorbed path's queries [Ta, NH, *] -> [Ta, NH, Dv]: the same kernel for decode
+        and for a short chunk over a cached prefix (each query with its own length)."""
         return mla_decode(
-            q_nope, q_pe, cache, kv.decode_block_tables, kv.decode_context_lens, self.w_uk,
-            self.w_uv, self.scale, self.w_uk_t,
+            q_nope, q_pe, cache, kv.absorbed_tables, kv.absorbed_lens, self.w_uk, self.w_uv,
+            self.scale, self.w_uk_t,
         )  # fmt: skip

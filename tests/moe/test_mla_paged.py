@@ -65,3 +65,20 @@ def test_absorbed_decode_equals_naive_for_16_steps():
         logits = {
             a: run_step(model, caches[a], tables, seqs, [1] * len(seqs), a) for a in (True, False)
         }
+
+
+def test_short_queries_take_the_absorbed_path_long_chunks_the_expanded_one():
+    """Hand-computed: a decode token, a 64-token chunk over a 10-token prefix, a 65-token
+    chunk: the first two go absorbed, each query with the keys up to itself."""
+    from moe.attention import ABSORB_MAX_QUERY
+
+    assert ABSORB_MAX_QUERY == 64
+    tables = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    kv = PagedKV([], torch.zeros(130, dtype=torch.long), tables, [1, 64, 65], [7, 74, 65])
+    assert kv.absorbed_tokens.tolist() == list(range(65))
+    assert kv.absorbed_lens.tolist() == [7] + list(range(11, 75))
+    assert torch.equal(kv.absorbed_tables, tables[[0] + [1] * 64])
+    assert kv.prefill_seqs == [(2, 65, 130, 65)] and not kv.all_absorbed
+    naive = PagedKV([], torch.zeros(2, dtype=torch.long), tables[:2], [1, 1], [3, 4], absorb=False)
+    assert naive.absorbed_tokens.numel() == 0 and len(naive.prefill_seqs) == 2
+    assert PagedKV([], torch.zeros(2, dtype=torch.long), tables[:2], [1, 1], [3, 4]).all_absorbed
