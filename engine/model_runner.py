@@ -50,26 +50,30 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, PagedKV]:
         """-> input_ids [T], positions [T], and where those tokens live in the cache."""
         bs, device = self.config.block_size, self.config.device
-        ids, positions, slots, tables, context_lens = [], [], [], [], []
+        # NOTE: Python lists and one tensor each: per-request tensor ops cost ~10 ops x B a step
+        ids, positions, slots, context_lens = [], [], [], []
         for req, n in zip(requests, num_new):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            pos = torch.arange(start, end)
-            table = torch.tensor(req.block_table, dtype=torch.long)
-            ids.append(torch.tensor(req.all_token_ids[start:end], dtype=torch.long))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            tables.append(table)
+            table = req.block_table
+            ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             context_lens.append(end)
-        block_tables = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True, padding_value=0)
+        width = max((len(req.block_table) for req in requests), default=0)
+        block_tables = torch.tensor(
+            [req.block_table + [0] * (width - len(req.block_table)) for req in requests],
+            dtype=torch.long,
+        ).view(len(requests), width)  # [B, M], padded with block 0 (never read)
         kv = PagedKV(
             self.kv_caches,
-            torch.cat(slots).to(device),
+            torch.tensor(slots, dtype=torch.long).to(device),
             block_tables.to(device),
             list(num_new),
             context_lens,
             absorb=self.config.mla_absorb,
         )
-        return torch.cat(ids).to(device), torch.cat(positions).to(device), kv
+        ids_t = torch.tensor(ids, dtype=torch.long).to(device)
+        return ids_t, torch.tensor(positions, dtype=torch.long).to(device), kv
 
     def _stages(self, requests: list[Request], num_new: list[int]) -> Stages:
         if not requests:  # an empty batch still joins every collective of an EP step

@@ -132,6 +132,7 @@ std::vector<torch::Tensor> grouped_topk(const torch::Tensor& logits, int64_t top
                                         const c10::optional<torch::Tensor>& bias);
 torch::Tensor combine(const torch::Tensor& rows, const torch::Tensor& send_order,
                       const torch::Tensor& weights);
+torch::Tensor argmax_rows(const torch::Tensor& x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode", &mla_decode,
@@ -139,6 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, D] rows (fp32)");
   m.def("rotary", &rotary, "rotary embedding of [T, (H,) Dr] (fp32)");
   m.def("grouped_topk", &grouped_topk, "the MoE gate: scores and group-limited top-k (fp32)");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, lowest index on ties (fp32)");
   m.def("combine", &combine, "weighted sum of each token's expert rows (fp32)");
   m.def("linear", &linear, "x @ w.T (fp32)");
   m.def("grouped_mlp", &grouped_mlp, "SiLU-gated expert MLPs over slot-sorted rows (fp32)");

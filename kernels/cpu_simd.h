@@ -37,6 +37,7 @@ inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
 inline vec vround(vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
+inline bool vany_nan(vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
 inline vec vpow2i(vec n) {  // 2^n for integral n in [-126, 127]
   __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
   return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
@@ -72,6 +73,7 @@ inline float vhmax(vec v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 inline vec vround(vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline bool vany_nan(vec v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
 inline vec vpow2i(vec n) {
   __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
   return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));

@@ -240,3 +240,20 @@ def test_mla_decode_equals_the_three_steps(kernels, context_lens, monkeypatch):
     ref = mla_decode(q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3)
     assert got.shape == (len(context_lens), heads, dv) and not got.isnan().any()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_argmax_equals_torch_with_ties_and_nan(kernels):
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 1000, generator=gen)
+    x[1, 7] = x[1, 900] = 50.0  # a tie: the lower index
+    x[2, -1] = 60.0  # in the last lanes
+    x[3, 5] = x[3, 3] = float("nan")  # the first NaN, as torch
+    x[4] = float("-inf")
+    x[5, 20] = float("inf")
+    assert (
+        kernels.argmax_rows(x).tolist()
+        == x.argmax(dim=-1).tolist()
+        == [x[0].argmax().item(), 7, 999, 3, 0, 20]
+    )
+    odd = torch.randn(3, 37, generator=gen)  # a vocabulary off the vector width
+    assert torch.equal(kernels.argmax_rows(odd), odd.argmax(dim=-1))
