@@ -254,3 +254,44 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   });
   return out;
 }
+
+// The dispatch of a rank that holds every routed expert: x [T, D], topk_idx [T, K] logical
+// experts, log2slot [E] (-1: not held) -> (send_order [T*K]: the (token, k) pairs stably
+// sorted by slot, rows [T*K, D] = x[send_order // K], counts [S] int64). A counting sort, one
+// op where torch took ten. A pair routed to an expert not held: send_order is empty (the
+// caller raises, naming the experts).
+std::vector<torch::Tensor> local_dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx,
+                                          const torch::Tensor& log2slot, int64_t num_slots) {
+  check_fp32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && topk_idx.dim() == 2 &&
+                  topk_idx.is_contiguous() && topk_idx.scalar_type() == torch::kLong &&
+                  topk_idx.size(0) == x.size(0) && log2slot.is_contiguous() &&
+                  log2slot.scalar_type() == torch::kLong,
+              "x [T, D], topk_idx [T, K] int64, log2slot [E] int64");
+  const int64_t T = x.size(0), D = x.size(1), K = topk_idx.size(1), N = T * K,
+                E = log2slot.size(0);
+  const int64_t* idx = topk_idx.data_ptr<int64_t>();
+  const int64_t* l2s = log2slot.data_ptr<int64_t>();
+  auto counts = torch::zeros({num_slots}, topk_idx.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  std::vector<int64_t> slot(N);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t e = idx[i];
+    const int64_t s = (0 <= e && e < E) ? l2s[e] : -1;
+    if (s < 0 || s >= num_slots) return {torch::empty({0}, topk_idx.options()), x, counts};
+    slot[i] = s;
+    ++cp[s];
+  }
+  std::vector<int64_t> next(num_slots, 0);
+  for (int64_t s = 1; s < num_slots; ++s) next[s] = next[s - 1] + cp[s - 1];
+  auto order = torch::empty({N}, topk_idx.options());
+  int64_t* op = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) op[next[slot[i]]++] = i;
+  auto rows = torch::empty({N, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* rp = rows.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) std::copy(xp + op[i] / K * D, xp + (op[i] / K + 1) * D, rp + i * D);
+  });
+  return {order, rows, counts};
+}

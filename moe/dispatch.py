@@ -191,6 +191,12 @@ class LocalDispatcher:
         if self._log2slot.device != topk_idx.device:
             self._log2slot = self._log2slot.to(topk_idx.device)
         top_k = topk_idx.shape[1]
+        if use_cpu_kernel(x) and x.is_contiguous():
+            send_order, rows, counts_t = cpu_kernels().local_dispatch(
+                x, topk_idx.contiguous(), self._log2slot, len(self.expert_ids)
+            )  # the same sort, gather and counts in one op
+            if send_order.numel() == topk_idx.numel():
+                return self._handle(topk_weights, send_order, rows, counts_t)
         slots = self._log2slot[topk_idx.reshape(-1)]  # [T * K]
         if not bool((slots >= 0).all()):
             missing = sorted(set(topk_idx.reshape(-1)[slots < 0].tolist()))
@@ -201,9 +207,18 @@ class LocalDispatcher:
         send_order = torch.argsort(slots, stable=True)  # [T * K]
         rows = x[send_order // top_k]  # [T * K, D]
         counts_t = torch.bincount(slots, minlength=len(self.expert_ids))  # [S_r]
+        return self._handle(topk_weights, send_order, rows, counts_t)
+
+    def _handle(
+        self,
+        topk_weights: torch.Tensor,
+        send_order: torch.Tensor,
+        rows: torch.Tensor,
+        counts_t: torch.Tensor,
+    ) -> DispatchHandle:
         self.load = counts_t if self.load is None else self.load + counts_t
-        counts = counts_t.tolist()
         self.stats.rows += rows.shape[0]
+        counts = counts_t.tolist()
         return DispatchHandle(topk_weights, send_order, rows, recv_x=rows, recv_counts=counts)
 
     def combine(

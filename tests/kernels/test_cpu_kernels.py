@@ -257,3 +257,28 @@ def test_argmax_equals_torch_with_ties_and_nan(kernels):
     )
     odd = torch.randn(3, 37, generator=gen)  # a vocabulary off the vector width
     assert torch.equal(kernels.argmax_rows(odd), odd.argmax(dim=-1))
+
+
+def test_local_dispatch_equals_the_torch_sort(kernels):
+    """Hand-checkable: 3 tokens, top-2, experts held in slots (expert 2 twice: its first slot)."""
+    x = torch.arange(6.0).view(3, 2)
+    topk = torch.tensor([[2, 0], [1, 2], [0, 1]])
+    log2slot = torch.tensor([1, 0, 2, -1])  # expert 3 not held
+    order, rows, counts = kernels.local_dispatch(x, topk, log2slot, 4)
+    # slots per pair: [2, 1, 0, 2, 1, 0] -> stable by slot: pairs 2, 5 | 1, 4 | 0, 3
+    assert order.tolist() == [2, 5, 1, 4, 0, 3]
+    assert torch.equal(rows, x[order // 2]) and counts.tolist() == [2, 2, 2, 0]
+    missing, _, _ = kernels.local_dispatch(x, torch.tensor([[3, 0], [1, 2], [0, 1]]), log2slot, 4)
+    assert missing.numel() == 0
+
+
+def test_local_dispatcher_refuses_an_expert_it_does_not_hold(kernels):
+    from moe.dispatch import LocalDispatcher
+
+    dispatcher = LocalDispatcher([0, 1], num_experts=4)
+    x, w = torch.randn(2, 8), torch.ones(2, 1)
+    with pytest.raises(RuntimeError, match=r"experts \[3\]"):
+        dispatcher.dispatch(x, torch.tensor([[1], [3]]), w)
+    handle = dispatcher.dispatch(x, torch.tensor([[1], [0]]), w)
+    assert handle.recv_counts == [1, 1] and dispatcher.load.tolist() == [1, 1]
+    assert torch.equal(handle.recv_x, x[[1, 0]])
