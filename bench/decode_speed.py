@@ -4,7 +4,8 @@
 the last token); prefill tok/s of the B x 128 prompt tokens. Beside them: the machine's measured
 read bandwidth, and at each batch the roofline of a decode step: the bytes it must read (every
 dense weight, and the routed experts the step actually used, each once, as counted by the
-dispatchers) over that bandwidth, or the step's multiply-adds (2 x the weights a token uses x B)
+dispatchers, and the latent cache the attention reads at the decode's mean context) over that
+bandwidth, or the step's multiply-adds (2 x the weights a token uses x B, and the attention's)
 over the machine's measured fp32 peak (the faster of MKL's large sgemm and the compiled kernel on
 weights in cache), whichever takes longer.
 
@@ -65,6 +66,20 @@ def weight_bytes(model) -> tuple[int, int, int]:
     layers = list(model.moe_layers())
     per_expert = expert_params // sum(len(m.experts.expert_ids) for m in layers)
     return dense, per_expert, len(layers)
+
+
+def attention_cost(config, batch: int, itemsize: int, prompt: int = 128, output: int = 128):
+    """(bytes of latent cache, FLOPs) the absorbed attention of one decode step needs, at the
+    decode's mean context: each sequence reads its cached rows once per layer; per head and key
+    a score over C numbers and a weighted sum over Dc, plus q_nope W_UK and W_UV per head."""
+    c = config
+    context = prompt + output / 2
+    width, rank = c.kv_cache_width, c.kv_lora_rank
+    kv_bytes = batch * context * width * itemsize * c.num_hidden_layers
+    per_token = c.num_attention_heads * (
+        context * (width + rank) + rank * (c.qk_nope_head_dim + c.v_head_dim)
+    )
+    return kv_bytes, 2 * batch * per_token * c.num_hidden_layers
 
 
 def used_experts(model) -> list[int]:
@@ -135,8 +150,9 @@ def main() -> None:
         prefill = [batch * 128 / r["prefill_s"] for r in runs]
         step_ms = statistics.median(r["decode_step_ms_median"] for r in runs)
         experts = statistics.median(r["experts_used_per_step"] for r in runs)
-        memory_s = (dense + experts * per_expert) / bandwidth
-        flops = 2 * batch * (dense + top_k * num_moe * per_expert) / itemsize
+        kv_bytes, attention_flops = attention_cost(engine.model.config, batch, itemsize)
+        memory_s = (dense + experts * per_expert + kv_bytes) / bandwidth
+        flops = 2 * batch * (dense + top_k * num_moe * per_expert) / itemsize + attention_flops
         roofline_s = max(memory_s, flops / peak)
         rows[str(batch)] = {
             "decode_tok_s": [round(x, 1) for x in decode],
@@ -144,6 +160,7 @@ def main() -> None:
             "decode_step_ms": round(step_ms, 1),
             "experts_used_per_step": experts,
             "experts_per_moe_layer": round(experts / num_moe, 1),
+            "kv_cache_mb_per_step": round(kv_bytes / 1e6, 1),
             "roofline_memory_ms": round(memory_s * 1e3, 1),
             "roofline_compute_ms": round(flops / peak * 1e3, 1),
             "roofline_step_ms": round(roofline_s * 1e3, 1),
