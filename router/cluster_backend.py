@@ -568,11 +568,20 @@ class ClusterBackend:
             ranks = [self.pools.status.get(("decode", i)) for i in range(len(decode.ranks))]
             live = [r or RankStatus("decode", i, False, 0, 0, 0, 0) for i, r in enumerate(ranks)]
             for i in decode_preference(live, self._decode_pending, needed):
-                ok = await decode.ranks[i].reserve(
-                    wire.request_id, wire.known_token_ids, self.routing.kv_lease_s, self.router_id
-                )
+                # NOTE: counted before the await: requests that arrive together must see each
+                # other's choices (counted after it, a burst of 32 all reserved on one rank)
+                self._decode_pending[i] += needed
+                poll = self._pending_poll
+                ok = False
+                try:
+                    ok = await decode.ranks[i].reserve(
+                        wire.request_id, wire.known_token_ids, self.routing.kv_lease_s,
+                        self.router_id,
+                    )  # fmt: skip
+                finally:
+                    if not ok and poll == self._pending_poll:  # not reset by a fresh status
+                        self._decode_pending[i] = max(0, self._decode_pending[i] - needed)
                 if ok:
-                    self._decode_pending[i] += needed
                     return i
             if time.monotonic() > give_up:
                 free = max((r.kv_free_blocks for r in live), default=0)

@@ -489,3 +489,53 @@ def test_with_p2p_a_failed_transfer_resumes_through_the_object_store():
         await backend.close()
 
     run(main())
+
+
+class GatedDecode(FakeDecode):
+    """A decode rank whose reserve answers only once `gate` opens (a burst in flight)."""
+
+    def __init__(self, rank: int, gate: asyncio.Event, refuse: bool = False) -> None:
+        super().__init__(rank)
+        self.gate, self.refuse, self.asked = gate, refuse, 0
+
+    async def reserve(self, request_id, token_ids, lease_s, router_id) -> bool:
+        self.asked += 1
+        await self.gate.wait()
+        return (
+            False
+            if self.refuse
+            else await super().reserve(request_id, token_ids, lease_s, router_id)
+        )
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_a_burst_spreads_over_the_decode_ranks(refuse):
+    """8 requests at once, both ranks equally free: each choice counts before its reserve
+    returns, so they alternate (4 + 4), not all on rank 0. A refused reserve gives its count
+    back."""
+
+    async def main():
+        gate = asyncio.Event()
+        decode = [GatedDecode(0, gate, refuse), GatedDecode(1, gate)]
+        backend = ClusterBackend(
+            [FakePrefill(0)], decode, INFO, Tokenizer(None, 512, 1, None), BLOCK,
+            RoutingConfig(reserve_wait_s=5),
+            HealthConfig(status_interval_s=60, stall_timeout_s=60),  # no fresh status meanwhile
+        )  # fmt: skip
+        await backend.start()
+        streams = [backend.generate(request(f"b{i}", max_tokens=1)) for i in range(8)]
+        tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await wait_for(lambda: sum(d.asked for d in decode) == 8)
+        assert [d.asked for d in decode] == [4, 4]
+        needed = -(-(5 + 1) // BLOCK)  # 5 prompt tokens and the first output token
+        assert backend._decode_pending == [4 * needed, 4 * needed]
+        gate.set()
+        await wait_for(lambda: all(t.done() for t in tasks))
+        if refuse:  # rank 0 refused its 4: their counts went back, they went to rank 1
+            await wait_for(lambda: len(decode[1].reserved) + len(decode[1].running) >= 4)
+            assert backend._decode_pending[0] == 0
+        for s in streams:
+            await s.aclose()
+        await backend.close()
+
+    run(main())
