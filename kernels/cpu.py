@@ -7,7 +7,8 @@ They exist because torch's CPU paths leave most of this machine unused at decode
 packs every weight matrix on each call (5-16 GB/s for a few rows, where the machine reads ~45),
 multiplies with 256-bit vectors on AMD CPUs that run 512-bit FMAs at twice the rate, and a
 Python loop over experts or a gather of the cache into padded tensors adds an op per piece.
-Measured side by side in bench/kernels_cpu.py. Without a compiler, AVX2, or with
+Measured side by side by `python -m bench.linear` (per path and row count) and in the decode
+step by bench/decode_speed.py and bench/step_profile.py. Without a compiler, AVX2, or with
 EPCLUSTER_CPU_KERNEL=0, the torch paths serve (a warning says so when the build fails).
 """
 

@@ -108,6 +108,23 @@ void attend(const float* q, int hg, const std::vector<const float*>& rows, int64
   }
 }
 
+// For each head h: y[t, h, :n] = x[t, h, :k] @ w[h].T, w [NH, n, k] contiguous; x and y rows
+// at h * xh + t * xt and h * yh + t * yt. Threads split (head, 4 weight rows) tiles: each head's
+// weights are read once for all T rows.
+void per_head_linear(const float* w, int64_t heads, int64_t n, int64_t k, const float* x,
+                     int64_t xh, int64_t xt, int64_t T, float* y, int64_t yh, int64_t yt) {
+  const int64_t tiles = (n + kTileW - 1) / kTileW;
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / tiles, n0 = (item % tiles) * kTileW;
+      const int nw = static_cast<int>(std::min<int64_t>(kTileW, n - n0));
+      const float* wr[kTileW];
+      for (int j = 0; j < nw; ++j) wr[j] = w + (h * n + n0 + j) * k;
+      epc::dot_rows(wr, nw, x + h * xh, xt, T, k, y + h * yh + n0, yt);
+    }
+  });
+}
+
 }  // namespace
 
 // q [T, NH, C] (q_nope absorbed into the latent by W_UK, then q_pe); cache [NB, BS, C];
@@ -192,16 +209,7 @@ torch::Tensor mla_decode(const torch::Tensor& q_nope, const torch::Tensor& q_pe,
   const int64_t qs0 = q_nope.stride(0), qs1 = q_nope.stride(1);
   float* qp = q.data_ptr<float>();
   // q[t, h, :Dc] = q_nope[t, h] @ W_UK[h]: the rows of W_UK.T against the head's T queries
-  const int64_t tiles = (Dc + epc::kTileW - 1) / epc::kTileW;
-  at::parallel_for(0, NH * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / tiles, n0 = (item % tiles) * epc::kTileW;
-      const int nw = static_cast<int>(std::min<int64_t>(epc::kTileW, Dc - n0));
-      const float* wr[epc::kTileW];
-      for (int j = 0; j < nw; ++j) wr[j] = w_uk_t.data_ptr<float>() + (h * Dc + n0 + j) * Dn;
-      epc::dot_rows(wr, nw, qn + h * qs1, qs0, T, Dn, qp + h * C + n0, NH * C);
-    }
-  });
+  per_head_linear(w_uk_t.data_ptr<float>(), NH, Dc, Dn, qn, qs1, qs0, T, qp, C, NH * C);
   const auto pe = q_pe.accessor<float, 3>();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < NH; ++h)
@@ -210,15 +218,6 @@ torch::Tensor mla_decode(const torch::Tensor& q_nope, const torch::Tensor& q_pe,
   const float* lp = latent.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // out[t, h] = latent[t, h] @ W_UV[h].T
-  const int64_t vtiles = (Dv + epc::kTileW - 1) / epc::kTileW;
-  at::parallel_for(0, NH * vtiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / vtiles, n0 = (item % vtiles) * epc::kTileW;
-      const int nw = static_cast<int>(std::min<int64_t>(epc::kTileW, Dv - n0));
-      const float* wr[epc::kTileW];
-      for (int j = 0; j < nw; ++j) wr[j] = w_uv.data_ptr<float>() + (h * Dv + n0 + j) * Dc;
-      epc::dot_rows(wr, nw, lp + h * Dc, NH * Dc, T, Dc, op + h * Dv + n0, NH * Dv);
-    }
-  });
+  per_head_linear(w_uv.data_ptr<float>(), NH, Dv, Dc, lp, Dc, NH * Dc, T, op, Dv, NH * Dv);
   return out;
 }
