@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.messages import GenerateRequest
 from engine.model_info import check_prompt
 from engine.sampling_params import MAX_SEED, SamplingParams
-from router.frontend import Frontend, Refused
+from router.frontend import Frontend, Refused, off_loop
 from router.openai_views import HTTP_STATUS, OpenAIView, error_body, gather
 
 # A plain template for checkpoints without one (the presets): role-tagged turns, then the
@@ -296,7 +296,8 @@ class OpenAIServer:
     # ---- responses out ----
 
     async def _respond(self, request: Request, body: dict, prompts: list, chat: bool):
-        reqs = self._requests(request, body, prompts, chat)
+        text = sum(len(p) for p in prompts if isinstance(p, str))
+        reqs = await off_loop(text, self._requests, request, body, prompts, chat)
         start = time.monotonic()
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].request_id}"
         created = int(time.time())

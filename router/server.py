@@ -21,7 +21,7 @@ from router import convert
 from router.admission import Admission, AdmissionConfig
 from router.auth import ServerSecurity
 from router.backend import Backend, Unavailable
-from router.frontend import Frontend, Refused
+from router.frontend import Frontend, Refused, off_loop
 from router.grpc_service import add_service
 from router.metrics import RouterMetrics
 from router.proto import epcluster_pb2 as pb
@@ -60,9 +60,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
         try:
-            req = convert.generate_request_from_proto(
-                request, self.backend.tokenizer, self.backend.prompt_limits(), deadline
-            )
+            text = len(request.text) if request.WhichOneof("prompt") == "text" else 0
+            req = await off_loop(
+                text, convert.generate_request_from_proto, request, self.backend.tokenizer,
+                self.backend.prompt_limits(), deadline,
+            )  # fmt: skip
         except ValueError as e:
             await _abort(context, self.frontend.refuse("INVALID_ARGUMENT", str(e)))
         sent = False

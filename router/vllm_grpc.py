@@ -27,7 +27,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from engine.messages import GenerateRequest, RequestOutput
 from engine.model_info import check_prompt
 from engine.sampling_params import MAX_SEED, SamplingParams
-from router.frontend import Frontend, Refused
+from router.frontend import Frontend, Refused, off_loop
 
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -54,7 +54,8 @@ class VllmEngineServicer:
         start = time.monotonic()
         self.last_request = time.time()
         try:
-            req = self._request(request)
+            text = len(request.text) if request.WhichOneof("input") == "text" else 0
+            req = await off_loop(text, self._request, request)
         except ValueError as e:
             self.frontend.refuse("INVALID_ARGUMENT", str(e))
             await context.abort(_INVALID, str(e))

@@ -526,3 +526,36 @@ def test_rebalance_on_one_engine_is_a_failed_precondition(client):
     with pytest.raises(grpc.RpcError) as err:
         client.stub.Rebalance(pb.RebalanceRequest(pool="middle"), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_big_prompt_is_tokenized_off_the_event_loop(backend, client, monkeypatch):
+    """While a 70k-character prompt tokenizes (held until the test lets it go), the router still
+    answers other calls: the encode runs on a worker thread, not on the event loop."""
+    from router.frontend import BIG_TEXT
+
+    encoding, release = threading.Event(), threading.Event()
+    real = backend.tokenizer.encode
+
+    def held(text: str) -> list[int]:
+        if len(text) > BIG_TEXT:
+            encoding.set()
+            assert release.wait(30), "never released"
+            return [5, 6, 7]
+        return real(text)
+
+    monkeypatch.setattr(backend.tokenizer, "encode", held)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    result = {}
+    big = threading.Thread(
+        target=lambda: result.setdefault("out", client.complete("x" * 70_000, params))
+    )
+    big.start()
+    assert encoding.wait(30)
+    try:
+        info = client.model_info()  # on the router's loop, while the encode is held
+        small = client.complete("hello", params)
+    finally:
+        release.set()
+        big.join(30)
+    assert info.vocab_size > 0 and len(small.token_ids) == 2
+    assert len(result["out"].token_ids) == 2
