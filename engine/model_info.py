@@ -43,6 +43,13 @@ class PromptLimits:
         return min(self.max_model_len, self.max_blocks * self.block_size) - 1
 
 
+def check_stop_token_ids(stop_token_ids: list[int], limits: PromptLimits) -> None:
+    """ValueError naming the first stop token id outside the vocabulary (every front end)."""
+    for t in stop_token_ids:
+        if t >= limits.vocab_size:
+            raise ValueError(f"stop_token_ids holds {t}: ids must be in [0, {limits.vocab_size})")
+
+
 def check_prompt(token_ids: list[int], limits: PromptLimits) -> list[int]:
     """-> token_ids, or ValueError saying what to fix."""
     if not token_ids:

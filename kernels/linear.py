@@ -2,9 +2,10 @@
 
 fp32 on CPU: the compiled kernel (kernels/cpu.py), which reads W in place with 512-bit vectors
 where MKL packs W on every call and multiplies with 256-bit ones (on this machine: 345-385
-GFLOP/s for 32-96 rows against MKL's 204 on a large sgemm; `python -m bench.linear` per row count). Without it, W @ x.T for a few rows (W as the
-left operand, in place: 1.2-1.8x F.linear, `python -m bench.linear`), F.linear beyond. The
-results agree with F.linear up to float rounding (the order of the sums differs).
+GFLOP/s for 32-96 rows against MKL's 204 on a large sgemm; `python -m bench.linear` per row
+count). Without it, W @ x.T for a few rows (W as the left operand, in place: 1.2-1.8x F.linear),
+F.linear beyond. The results agree with F.linear up to float rounding (the order of the sums
+differs).
 
 Legend (kernels/__init__.py): N rows, Fi in features, Fo out features.
 """

@@ -21,7 +21,7 @@ from engine.messages import (
     RequestOutput,
     TokenLogprobs,
 )
-from engine.model_info import PromptLimits, check_prompt
+from engine.model_info import PromptLimits, check_prompt, check_stop_token_ids
 from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.tokenizer import Tokenizer
 from router.proto import epcluster_pb2 as pb
@@ -129,6 +129,25 @@ def prompt_token_ids(
     return check_prompt(ids, limits)
 
 
+def check_request_id(request_id: str, name: str = "request_id") -> str:
+    """-> request_id, or ValueError: empty, over MAX_REQUEST_ID_LEN characters, or holding a
+    character that does not print (every front end's rule)."""
+    if not request_id:
+        raise ValueError(f"{name} is empty: leave it unset and the router picks one")
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise ValueError(
+            f"{name} has {len(request_id)} characters: use at most {MAX_REQUEST_ID_LEN}"
+        )
+    if not request_id.isprintable():
+        # NOTE: the id goes into the router's log lines: a newline would forge one.
+        raise ValueError(
+            f"{name} {request_id[:40]!r} holds a character that does not print (a "
+            "control, format, private-use or unassigned one, or a space other than ' '): "
+            "use printable characters"
+        )
+    return request_id
+
+
 def generate_request_from_proto(
     msg: pb.GenerateRequest,
     tokenizer: Tokenizer,
@@ -144,20 +163,7 @@ def generate_request_from_proto(
             "(client and server must use the same epcluster.proto)"
         )
     if msg.HasField("request_id"):
-        request_id = msg.request_id
-        if not request_id:
-            raise ValueError("request_id is empty: leave it unset and the router picks one")
-        if len(request_id) > MAX_REQUEST_ID_LEN:
-            raise ValueError(
-                f"request_id has {len(request_id)} characters: use at most {MAX_REQUEST_ID_LEN}"
-            )
-        if not request_id.isprintable():
-            # NOTE: the id goes into the router's log lines: a newline would forge one.
-            raise ValueError(
-                f"request_id {request_id[:40]!r} holds a character that does not print (a "
-                "control, format, private-use or unassigned one, or a space other than ' '): "
-                "use printable characters"
-            )
+        request_id = check_request_id(msg.request_id)
     else:
         request_id = uuid.uuid4().hex
     ids = prompt_token_ids(msg, tokenizer, limits)
@@ -165,12 +171,10 @@ def generate_request_from_proto(
         params = sampling_params_from_proto(msg.sampling_params)
     except ValueError as e:
         raise ValueError(f"sampling_params: {e}") from None
-    for t in params.stop_token_ids:
-        if t >= limits.vocab_size:
-            raise ValueError(
-                f"sampling_params: stop_token_ids holds {t}: "
-                f"ids must be in [0, {limits.vocab_size})"
-            )
+    try:
+        check_stop_token_ids(params.stop_token_ids, limits)
+    except ValueError as e:
+        raise ValueError(f"sampling_params: {e}") from None
     if params.seed is None:
         params.seed = secrets.randbelow(MAX_SEED)
     return GenerateRequest(request_id, ids, params, params.seed, deadline)

@@ -27,8 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.messages import GenerateRequest
-from engine.model_info import check_prompt
+from engine.model_info import check_prompt, check_stop_token_ids
 from engine.sampling_params import MAX_SEED, SamplingParams
+from router.convert import check_request_id
 from router.frontend import Frontend, Refused, off_loop
 from router.openai_views import HTTP_STATUS, OpenAIView, error_body, gather
 
@@ -268,12 +269,10 @@ class OpenAIServer:
             params.max_tokens = self.backend.model_info().max_model_len
         if params.seed is None:
             params.seed = secrets.randbelow(MAX_SEED)
-        vocab = self.backend.prompt_limits().vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise HttpError(
-                400, f"stop_token_ids holds {bad[0]}: ids must be in [0, {vocab})", "stop_token_ids"
-            )
+        try:
+            check_stop_token_ids(params.stop_token_ids, self.backend.prompt_limits())
+        except ValueError as e:
+            raise HttpError(400, str(e), "stop_token_ids") from None
         return params
 
     def _requests(self, request: Request, body: dict, prompts: list, chat: bool):
@@ -281,6 +280,10 @@ class OpenAIServer:
         params = self._params(body, chat)
         limits = self.backend.prompt_limits()
         base = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            check_request_id(base, "X-Request-Id")
+        except ValueError as e:
+            raise HttpError(400, str(e), "X-Request-Id") from None
         out = []
         for i, prompt in enumerate(prompts):
             ids = self.backend.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt

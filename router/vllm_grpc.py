@@ -25,8 +25,9 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine.messages import GenerateRequest, RequestOutput
-from engine.model_info import check_prompt
+from engine.model_info import PromptLimits, check_prompt, check_stop_token_ids
 from engine.sampling_params import MAX_SEED, SamplingParams
+from router.convert import check_request_id
 from router.frontend import Frontend, Refused, off_loop
 
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
@@ -97,8 +98,8 @@ class VllmEngineServicer:
         else:
             raise ValueError("no input: set `tokenized` or `text`")
         ids = check_prompt(ids, self.backend.prompt_limits())
-        params = sampling_params(msg.sampling_params, self.backend.prompt_limits().vocab_size)
-        request_id = msg.request_id or secrets.token_hex(16)
+        params = sampling_params(msg.sampling_params, self.backend.prompt_limits())
+        request_id = check_request_id(msg.request_id) if msg.request_id else secrets.token_hex(16)
         return GenerateRequest(request_id, ids, params, params.seed)
 
     # ---- the rest ----
@@ -201,7 +202,7 @@ class VllmEngineServicer:
         await context.abort(_UNSUPPORTED, "epcluster publishes no KV cache events")
 
 
-def sampling_params(p: vpb.SamplingParams, vocab: int) -> SamplingParams:
+def sampling_params(p: vpb.SamplingParams, limits: PromptLimits) -> SamplingParams:
     """vLLM's proto sampling fields -> SamplingParams (proto3 zeros mean unset)."""
     refused = {
         "n": p.n > 1,
@@ -238,9 +239,10 @@ def sampling_params(p: vpb.SamplingParams, vocab: int) -> SamplingParams:
         raise ValueError(f"sampling_params: {e}") from None
     if not p.HasField("max_tokens"):
         params.max_tokens = 1 << 30  # vLLM: up to the context
-    bad = [t for t in params.stop_token_ids if t >= vocab]
-    if bad:
-        raise ValueError(f"sampling_params: stop_token_ids holds {bad[0]}: ids must be < {vocab}")
+    try:
+        check_stop_token_ids(params.stop_token_ids, limits)
+    except ValueError as e:
+        raise ValueError(f"sampling_params: {e}") from None
     return params
 
 

@@ -158,6 +158,11 @@ def test_request_id_is_echoed(server):
         server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, {"X-Request-Id": "abc-1"}
     )
     assert code == 200 and headers["X-Request-Id"] == "abc-1" and reply["id"] == "cmpl-abc-1"
+    code, reply, _ = request(
+        server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, {"X-Request-Id": "r" * 257}
+    )  # the same rule as epcluster.v1's request_id: it goes into log lines
+    assert code == 400 and reply["error"]["param"] == "X-Request-Id"
+    assert "use at most 256" in reply["error"]["message"]
 
 
 def test_a_disconnect_mid_stream_frees_the_blocks(server, backend):

@@ -92,7 +92,7 @@ def test_logprobs_and_text_input(stub):
         ({"regex": "a+"}, grpc.StatusCode.UNIMPLEMENTED, "constraint"),
         ({"logit_bias": {5: 1.0}}, grpc.StatusCode.UNIMPLEMENTED, "logit_bias"),
         ({"temperature": -1}, grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
-        ({"stop_token_ids": [512]}, grpc.StatusCode.INVALID_ARGUMENT, "must be < 512"),
+        ({"stop_token_ids": [512]}, grpc.StatusCode.INVALID_ARGUMENT, "must be in [0, 512)"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused(stub, sampling, code, fragment):
@@ -106,7 +106,11 @@ def test_bad_inputs(stub):
         (vpb.GenerateRequest(request_id="x"), "no input"),
         (generate([], False), "prompt is empty"),
         (generate([9999], False), "out of range"),
-    ]:
+        (vpb.GenerateRequest(request_id="a\nb", tokenized=vpb.TokenizedInput(input_ids=[5])),
+         "does not print"),
+        (vpb.GenerateRequest(request_id="r" * 257, tokenized=vpb.TokenizedInput(input_ids=[5])),
+         "use at most 256"),
+    ]:  # fmt: skip
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(request))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
