@@ -336,6 +336,12 @@ SPECS: tuple[Spec, ...] = (
         ("stat",),
     ),
     Spec(
+        "epcluster_eplb_rebalance_in_progress",
+        "gauge",
+        "1 while a re-placement's expert weights are moving (decided, not every layer switched "
+        "yet), else 0.",
+    ),
+    Spec(
         "epcluster_eplb_rebalances_total",
         "counter",
         "Expert re-placements, by outcome (applied, skipped).",

@@ -227,6 +227,7 @@ class Rank(abc.ABC):
         return {
             ("epcluster_eplb_balancedness_ratio", ("mean",)): mean,
             ("epcluster_eplb_balancedness_ratio", ("worst",)): worst,
+            ("epcluster_eplb_rebalance_in_progress", ()): float(balancer.last.moving),
         }
 
     # ---- calls from the asyncio side ----

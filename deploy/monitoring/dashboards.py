@@ -306,13 +306,17 @@ def moe() -> dict:
             panel(
                 "Rebalances",
                 "short",
-                "Rebalances by outcome (increase).",
+                "Rebalances by outcome (increase), and 1 while one's weights are moving.",
                 [
                     q(
                         f"sum by (pool, outcome) (increase(epcluster_eplb_rebalances_total{K}"
                         f"[{RI}]))",
                         "{{pool}} {{outcome}}",
-                    )
+                    ),
+                    q(
+                        f"max by (pool) (epcluster_eplb_rebalance_in_progress{K})",
+                        "{{pool}} moving",
+                    ),
                 ],
             ),
             panel(
