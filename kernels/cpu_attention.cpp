@@ -108,19 +108,70 @@ void attend(const float* q, int hg, const std::vector<const float*>& rows, int64
   }
 }
 
-// For each head h: y[t, h, :n] = x[t, h, :k] @ w[h].T, w [NH, n, k] contiguous; x and y rows
-// at h * xh + t * xt and h * yh + t * yt. Threads split (head, 4 weight rows) tiles: each head's
-// weights are read once for all T rows.
-void per_head_linear(const float* w, int64_t heads, int64_t n, int64_t k, const float* x,
-                     int64_t xh, int64_t xt, int64_t T, float* y, int64_t yh, int64_t yt) {
-  const int64_t tiles = (n + kTileW - 1) / kTileW;
-  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+// y[r, :] = x[r, :K] @ w for R rows, w [K, ldw] row-major, columns [0, V * kLanes) (the last
+// vector only `tail` lanes when PARTIAL): each x value broadcast against a row of w, R x V
+// accumulators, no horizontal sums (short dot products spent most of their time in those).
+template <int R, int V, bool PARTIAL>
+inline void kn_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
+                    int64_t ldy, int tail) {
+  vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = epc::vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    vec wv[V];
+    for (int v = 0; v < V; ++v)
+      wv[v] = PARTIAL && v == V - 1 ? epc::vload_n(w + k * ldw + v * kLanes, tail)
+                                    : epc::vload(w + k * ldw + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vec xb = epc::vset(x[r * ldx + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = epc::vfma(xb, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      if (PARTIAL && v == V - 1)
+        epc::vstore_n(y + r * ldy + v * kLanes, acc[r][v], tail);
+      else
+        epc::vstore(y + r * ldy + v * kLanes, acc[r][v]);
+    }
+}
+
+template <int V, bool PARTIAL>
+void kn_rows(const float* x, int64_t ldx, int64_t T, const float* w, int64_t ldw, int64_t K,
+             float* y, int64_t ldy, int tail) {
+  constexpr int R = 24 / V;  // 24 accumulators
+  int64_t t = 0;
+  for (; t + R <= T; t += R) kn_tile<R, V, PARTIAL>(x + t * ldx, ldx, w, ldw, K, y + t * ldy, ldy, tail);
+  for (; t < T; ++t) kn_tile<1, V, PARTIAL>(x + t * ldx, ldx, w, ldw, K, y + t * ldy, ldy, tail);
+}
+
+// For each head h: y[t, h, :n] = x[t, h, :k] @ w[h], w [NH, k, n] contiguous; x and y rows at
+// h * xh + t * xt and h * yh + t * yt. Threads split (head, block of 4 column vectors).
+void per_head_gemm(const float* w, int64_t heads, int64_t k, int64_t n, const float* x,
+                   int64_t xh, int64_t xt, int64_t T, float* y, int64_t yh, int64_t yt) {
+  constexpr int kBlock = 4 * kLanes;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / tiles, n0 = (item % tiles) * kTileW;
-      const int nw = static_cast<int>(std::min<int64_t>(kTileW, n - n0));
-      const float* wr[kTileW];
-      for (int j = 0; j < nw; ++j) wr[j] = w + (h * n + n0 + j) * k;
-      epc::dot_rows(wr, nw, x + h * xh, xt, T, k, y + h * yh + n0, yt);
+      const int64_t h = item / blocks, n0 = (item % blocks) * kBlock;
+      const int64_t width = std::min<int64_t>(kBlock, n - n0);
+      const int vecs = static_cast<int>((width + kLanes - 1) / kLanes);
+      const int tail = static_cast<int>(width - (vecs - 1) * kLanes);
+      const float* wh = w + h * k * n + n0;
+      const float* xh0 = x + h * xh;
+      float* yh0 = y + h * yh + n0;
+      const bool partial = tail < kLanes;
+      switch (vecs * 2 + partial) {
+        case 2: kn_rows<1, false>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
+        case 3: kn_rows<1, true>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
+        case 4: kn_rows<2, false>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
+        case 5: kn_rows<2, true>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
+        case 6: kn_rows<3, false>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
+        case 7: kn_rows<3, true>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
+        case 8: kn_rows<4, false>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
+        case 9: kn_rows<4, true>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
+        default: break;
+      }
     }
   });
 }
@@ -182,34 +233,34 @@ torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& c
 
 // The whole absorbed MLA decode attention in one call: q_nope [T, NH, Dn] (last dim unit stride,
 // other strides free), q_pe [T, NH, Dr] roped, the cache and tables as paged_mla_attention,
-// w_uk_t [NH, Dc, Dn] (W_UK transposed), w_uv [NH, Dv, Dc] -> [T, NH, Dv]. The same numbers as
+// w_uk [NH, Dn, Dc], w_uv_t [NH, Dc, Dv] (W_UV transposed) -> [T, NH, Dv]. The same numbers as
 // q_lat = q_nope W_UK; o = attention(q_lat ++ q_pe); o W_UV.T, without the ops between them.
 // Phases by head (each head's W_UK / W_UV read once for all T queries), then by query.
 torch::Tensor mla_decode(const torch::Tensor& q_nope, const torch::Tensor& q_pe,
                          const torch::Tensor& cache, const torch::Tensor& tables,
-                         const torch::Tensor& lens, const torch::Tensor& w_uk_t,
-                         const torch::Tensor& w_uv, double scale) {
+                         const torch::Tensor& lens, const torch::Tensor& w_uk,
+                         const torch::Tensor& w_uv_t, double scale) {
   TORCH_CHECK(q_nope.dim() == 3 && q_nope.stride(2) == 1 && q_pe.dim() == 3 &&
-                  q_pe.stride(2) == 1 && w_uk_t.dim() == 3 && w_uv.dim() == 3 &&
-                  w_uk_t.is_contiguous() && w_uv.is_contiguous(),
-              "q_nope, q_pe [T, NH, *] with unit last stride; w_uk_t, w_uv contiguous");
-  for (const auto* t : {&q_nope, &q_pe, &w_uk_t, &w_uv})
+                  q_pe.stride(2) == 1 && w_uk.dim() == 3 && w_uv_t.dim() == 3 &&
+                  w_uk.is_contiguous() && w_uv_t.is_contiguous(),
+              "q_nope, q_pe [T, NH, *] with unit last stride; w_uk, w_uv_t contiguous");
+  for (const auto* t : {&q_nope, &q_pe, &w_uk, &w_uv_t})
     TORCH_CHECK(t->scalar_type() == torch::kFloat, "mla_decode: fp32 tensors");
   const int64_t T = q_nope.size(0), NH = q_nope.size(1), Dn = q_nope.size(2), Dr = q_pe.size(2);
-  const int64_t Dc = w_uk_t.size(1), Dv = w_uv.size(1), C = Dc + Dr;
-  TORCH_CHECK(q_pe.size(0) == T && q_pe.size(1) == NH && w_uk_t.size(0) == NH &&
-                  w_uk_t.size(2) == Dn && w_uv.size(0) == NH && w_uv.size(2) == Dc &&
+  const int64_t Dc = w_uk.size(2), Dv = w_uv_t.size(2), C = Dc + Dr;
+  TORCH_CHECK(q_pe.size(0) == T && q_pe.size(1) == NH && w_uk.size(0) == NH &&
+                  w_uk.size(1) == Dn && w_uv_t.size(0) == NH && w_uv_t.size(1) == Dc &&
                   cache.dim() == 3 && cache.size(2) == C,
-              "shapes: q_nope ", q_nope.sizes(), " q_pe ", q_pe.sizes(), " w_uk_t ",
-              w_uk_t.sizes(), " w_uv ", w_uv.sizes(), " cache ", cache.sizes());
+              "shapes: q_nope ", q_nope.sizes(), " q_pe ", q_pe.sizes(), " w_uk ", w_uk.sizes(),
+              " w_uv_t ", w_uv_t.sizes(), " cache ", cache.sizes());
   auto q = torch::empty({T, NH, C}, q_nope.options());
   auto out = torch::empty({T, NH, Dv}, q_nope.options());
   if (T == 0) return out;
   const float* qn = q_nope.data_ptr<float>();
   const int64_t qs0 = q_nope.stride(0), qs1 = q_nope.stride(1);
   float* qp = q.data_ptr<float>();
-  // q[t, h, :Dc] = q_nope[t, h] @ W_UK[h]: the rows of W_UK.T against the head's T queries
-  per_head_linear(w_uk_t.data_ptr<float>(), NH, Dc, Dn, qn, qs1, qs0, T, qp, C, NH * C);
+  // q[t, h, :Dc] = q_nope[t, h] @ W_UK[h]
+  per_head_gemm(w_uk.data_ptr<float>(), NH, Dn, Dc, qn, qs1, qs0, T, qp, C, NH * C);
   const auto pe = q_pe.accessor<float, 3>();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < NH; ++h)
@@ -218,6 +269,6 @@ torch::Tensor mla_decode(const torch::Tensor& q_nope, const torch::Tensor& q_pe,
   const float* lp = latent.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // out[t, h] = latent[t, h] @ W_UV[h].T
-  per_head_linear(w_uv.data_ptr<float>(), NH, Dv, Dc, lp, Dc, NH * Dc, T, op, Dv, NH * Dv);
+  per_head_gemm(w_uv_t.data_ptr<float>(), NH, Dc, Dv, lp, Dc, NH * Dc, T, op, Dv, NH * Dv);
   return out;
 }

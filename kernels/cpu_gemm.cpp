@@ -121,8 +121,8 @@ torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& c
 
 torch::Tensor mla_decode(const torch::Tensor& q_nope, const torch::Tensor& q_pe,
                          const torch::Tensor& cache, const torch::Tensor& tables,
-                         const torch::Tensor& lens, const torch::Tensor& w_uk_t,
-                         const torch::Tensor& w_uv, double scale);
+                         const torch::Tensor& lens, const torch::Tensor& w_uk,
+                         const torch::Tensor& w_uv_t, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                      bool interleaved);

@@ -79,16 +79,16 @@ def mla_decode(
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
-    w_uk_t: torch.Tensor | None = None,
+    w_uv_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weight-absorbed MLA decode, one query per sequence: q_nope [B, NH, Dn], q_pe [B, NH, Dr]
     (roped), the paged cache as paged_latent_attention, w_uk [NH, Dn, Dc], w_uv [NH, Dv, Dc]
-    (w_uk_t: w_uk transposed, contiguous, for the compiled kernel) -> [B, NH, Dv].
+    (w_uv_t: w_uv transposed, contiguous, for the compiled kernel) -> [B, NH, Dv].
     q_lat = q_nope W_UK; latent attention; its output W_UV.T. One call of the compiled kernel
     on fp32 CPU tensors; else those three steps (Triton or the reference for the attention)."""
-    if w_uk_t is not None and use_cpu_kernel(q_nope) and kv_cache.dtype == torch.float32:
+    if w_uv_t is not None and use_cpu_kernel(q_nope) and kv_cache.dtype == torch.float32:
         return cpu_kernels().mla_decode(
-            q_nope, q_pe.contiguous(), kv_cache, block_tables, context_lens, w_uk_t, w_uv, scale
+            q_nope, q_pe.contiguous(), kv_cache, block_tables, context_lens, w_uk, w_uv_t, scale
         )
     q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [B, NH, Dc]
     o_lat = paged_latent_attention(

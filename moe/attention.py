@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
         self.scale = c.softmax_scale
         self.w_uk: torch.Tensor | None = None  # [NH, Dn, Dc]
-        self.w_uk_t: torch.Tensor | None = None  # [NH, Dc, Dn]
+        self.w_uv_t: torch.Tensor | None = None  # [NH, Dc, Dv]
         self.w_uv: torch.Tensor | None = None  # [NH, Dv, Dc]
         self.w_in: torch.Tensor | None = None  # [q_lora_rank or NH * (Dn + Dr), + C] (fuse())
 
@@ -102,8 +102,8 @@ class MLAttention(nn.Module):
         c = self.config
         w = self.kv_b_proj.weight.detach().view(self.num_heads, -1, c.kv_lora_rank)
         self.w_uk = w[:, : c.qk_nope_head_dim].contiguous()
-        self.w_uk_t = self.w_uk.transpose(1, 2).contiguous()
         self.w_uv = w[:, c.qk_nope_head_dim :].contiguous()
+        self.w_uv_t = self.w_uv.transpose(1, 2).contiguous()
 
     def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -179,5 +179,5 @@ class MLAttention(nn.Module):
         and for a short chunk over a cached prefix (each query with its own length)."""
         return mla_decode(
             q_nope, q_pe, cache, kv.absorbed_tables, kv.absorbed_lens, self.w_uk, self.w_uv,
-            self.scale, self.w_uk_t,
+            self.scale, self.w_uv_t,
         )  # fmt: skip

@@ -220,7 +220,7 @@ def test_combine_equals_reference(kernels):
         kernels.combine(rows, torch.zeros(tokens * top_k, dtype=torch.long), weights)
 
 
-@pytest.mark.parametrize("context_lens", [[1], [5, 33, 17]])
+@pytest.mark.parametrize("context_lens", [[1], [5, 33, 17], list(range(1, 31))])  # full tiles
 def test_mla_decode_equals_the_three_steps(kernels, context_lens, monkeypatch):
     """W_UK, the paged attention and W_UV in one call equal the reference's einsum, attention,
     einsum (q_nope a strided view, as the attention passes it)."""
@@ -235,7 +235,7 @@ def test_mla_decode_equals_the_three_steps(kernels, context_lens, monkeypatch):
     w_uk = torch.randn(heads, nope, rank, generator=gen) / nope**0.5
     w_uv = torch.randn(heads, dv, rank, generator=gen) / rank**0.5
     got = mla_decode(q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3,
-                     w_uk.transpose(1, 2).contiguous())  # fmt: skip
+                     w_uv.transpose(1, 2).contiguous())  # fmt: skip
     monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
     ref = mla_decode(q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3)
     assert got.shape == (len(context_lens), heads, dv) and not got.isnan().any()
