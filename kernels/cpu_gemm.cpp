@@ -133,6 +133,7 @@ std::vector<torch::Tensor> grouped_topk(const torch::Tensor& logits, int64_t top
 torch::Tensor combine(const torch::Tensor& rows, const torch::Tensor& send_order,
                       const torch::Tensor& weights);
 torch::Tensor argmax_rows(const torch::Tensor& x);
+void write_rows(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows);
 std::vector<torch::Tensor> local_dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx,
                                           const torch::Tensor& log2slot, int64_t num_slots);
 
@@ -143,6 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of [T, (H,) Dr] (fp32)");
   m.def("grouped_topk", &grouped_topk, "the MoE gate: scores and group-limited top-k (fp32)");
   m.def("local_dispatch", &local_dispatch, "rows sorted by local expert slot (fp32)");
+  m.def("write_rows", &write_rows, "the paged cache write: cache rows slots[i] = rows[i] (fp32)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, lowest index on ties (fp32)");
   m.def("combine", &combine, "weighted sum of each token's expert rows (fp32)");
   m.def("linear", &linear, "x @ w.T (fp32)");

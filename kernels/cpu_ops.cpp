@@ -295,3 +295,23 @@ std::vector<torch::Tensor> local_dispatch(const torch::Tensor& x, const torch::T
   });
   return {order, rows, counts};
 }
+
+// cache [NB, BS, C] viewed as rows: cache row slots[i] = rows[i] for each of the step's tokens
+// (the paged cache write; one op where index_put took 25 us a layer).
+void write_rows(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows) {
+  check_fp32(cache, "cache");
+  check_fp32(rows, "rows");
+  TORCH_CHECK(cache.is_contiguous() && rows.dim() == 2 && rows.stride(1) == 1 &&
+                  rows.size(1) == cache.size(-1) && slots.scalar_type() == torch::kLong &&
+                  slots.is_contiguous() && slots.numel() == rows.size(0),
+              "cache [.., C] contiguous, rows [T, C], slots [T] int64; got ", cache.sizes(), ", ",
+              rows.sizes(), ", ", slots.sizes());
+  const int64_t C = cache.size(-1), total = cache.numel() / C, T = rows.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i)
+    TORCH_CHECK(0 <= sp[i] && sp[i] < total, "slot ", sp[i], " is not a row of the cache (", total, ")");
+  float* cp = cache.data_ptr<float>();
+  const float* rp = rows.data_ptr<float>();
+  const int64_t ldr = rows.stride(0);
+  for (int64_t i = 0; i < T; ++i) std::copy(rp + i * ldr, rp + i * ldr + C, cp + sp[i] * C);
+}

@@ -33,6 +33,14 @@ def causal_attention(
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
 
+def write_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
+    """kv_cache [NB, BS, C]: row slot_mapping[i] (block * BS + offset) = latent[i] ([T, C])."""
+    if use_cpu_kernel(latent) and kv_cache.dtype == torch.float32 and slot_mapping.numel():
+        cpu_kernels().write_rows(kv_cache, slot_mapping, latent)
+        return
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = latent.to(kv_cache.dtype)
+
+
 def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """kv_cache [NB, BS, C], block_table [M] int -> the first `length` cached rows [length, C]."""
     block_size = kv_cache.shape[1]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kernels.linear import Linear, fuse_rows, linear
-from kernels.mla_attention import causal_attention, gather_latent, mla_decode
+from kernels.mla_attention import causal_attention, gather_latent, mla_decode, write_cache
 from kernels.rotary import apply_rotary
 from moe.config import ModelConfig
 from moe.layers import RMSNorm
@@ -158,7 +158,7 @@ class MLAttention(nn.Module):
             return self.o_proj(out.flatten(1))
 
         cache = kv.kv_caches[self.layer]  # [NB, BS, C]
-        cache.view(-1, c.kv_cache_width)[kv.slot_mapping] = latent.to(cache.dtype)
+        write_cache(cache, kv.slot_mapping, latent)
         if kv.all_absorbed:  # decode and short chunks only: no gathers
             out = self._absorbed(q_nope, q_pe, cache, kv).to(x.dtype)
             return self.o_proj(out.flatten(1))

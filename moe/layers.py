@@ -7,11 +7,10 @@ S_r expert slots on this rank, K experts per token, N rows (token x k pairs).
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.gate import grouped_topk
-from kernels.linear import Linear, fuse_rows
+from kernels.linear import Linear, fuse_rows, linear
 from kernels.moe_mlp import grouped_expert_mlp, silu_and_mul
 from kernels.rmsnorm import rms_norm
 from moe.config import ModelConfig
@@ -66,7 +65,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_weights [T, K] fp32, topk_idx [T, K] int64), logical expert ids."""
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = linear(x.float(), self.weight.float())  # [T, E]
         return grouped_topk(
             logits,
             c.num_experts_per_tok,

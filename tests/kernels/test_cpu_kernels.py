@@ -282,3 +282,18 @@ def test_local_dispatcher_refuses_an_expert_it_does_not_hold(kernels):
     handle = dispatcher.dispatch(x, torch.tensor([[1], [0]]), w)
     assert handle.recv_counts == [1, 1] and dispatcher.load.tolist() == [1, 1]
     assert torch.equal(handle.recv_x, x[[1, 0]])
+
+
+def test_cache_write_equals_index_put(kernels, monkeypatch):
+    from kernels.mla_attention import write_cache
+
+    gen = torch.Generator().manual_seed(13)
+    cache = torch.randn(5, 4, 24, generator=gen)
+    latent = torch.randn(6, 30, generator=gen)[:, :24]  # strided rows
+    slots = torch.tensor([19, 0, 7, 8, 3, 12])
+    expected = cache.clone()
+    expected.view(-1, 24)[slots] = latent
+    write_cache(cache, slots, latent)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="not a row of the cache"):
+        kernels.write_rows(cache, torch.tensor([20]), latent[:1])
