@@ -18,30 +18,33 @@ The rank handles are duck-typed (cluster/ wraps Ray actors in them); this module
 """
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from engine.messages import (
-    ClusterStatus,
     GenerateRequest,
     ModelInfo,
-    PoolLoad,
-    PoolStatus,
     RankStatus,
-    RebalanceStatus,
     RequestOutput,
     Resume,
 )
 from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
 from router.backend import Overloaded, Unavailable
+from router.cluster_admin import ClusterAdmin
+from router.cluster_types import (
+    DecodeRank,
+    KVTransferFailed,
+    P2PTransferFailed,
+    PrefillRank,
+    Route,
+    RoutingConfig,
+)
 from router.metrics import RouterMetrics
 from router.pools import HealthConfig, PoolControl, Pools, RankFailed
 from router.routing import decode_preference, prefill_choice, prefix_key
@@ -49,87 +52,10 @@ from router.routing import decode_preference, prefill_choice, prefix_key
 log = logging.getLogger(__name__)
 
 
-class PrefillRank(Protocol):
-    async def prefill(self, request: GenerateRequest, kv_dst: int) -> tuple[RequestOutput, Any]: ...
-    async def abort(self, request_id: str) -> None: ...
-    async def status(self) -> RankStatus: ...
-
-
-class DecodeRank(Protocol):
-    kv_rank: int  # where the prefill rank sends this rank's KV (the transport's numbering)
-
-    async def reserve(
-        self, request_id: str, token_ids: list[int], lease_s: float, router_id: str
-    ) -> bool: ...
-    async def renew(self, router_id: str, request_ids: list[str], lease_s: float) -> int: ...
-    async def start(
-        self, request: GenerateRequest, first: RequestOutput, kv: Any, router_id: str
-    ) -> None: ...
-    async def abort(self, request_id: str) -> None: ...
-    async def discard_kv(self, kv: Any) -> None: ...
-    async def status(self) -> RankStatus: ...
-    async def register_router(self, router_id: str, lease_s: float) -> None: ...
-    def stream(self, router_id: str) -> AsyncIterator[list[RequestOutput]]: ...
-
-
-class KVTransferFailed(RuntimeError):
-    """The prompt's KV did not reach the decode rank; the request ends with an error."""
-
-
-class _P2PTransferFailed(RuntimeError):
-    """A point-to-point KV transfer failed: resume the request with its KV through the object
-    store, and rebuild the transport group."""
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingConfig:
-    kv_lease_s: float = 30.0  # a reservation not renewed or started for this long is released
-    reserve_wait_s: float = 10.0  # how long a request waits for room on a decode rank
-    recovery_wait_s: float = 120.0  # how long a request waits for a re-forming pool
-    max_resumes: int = 3  # resumes of one request after rank failures, then UNAVAILABLE
-    prefill_max_imbalance: int = 4096  # queued prompt tokens before affinity gives way to load
-    affinity_blocks: int = 1  # prompt blocks whose hash picks the preferred prefill rank
-    kv_p2p: bool = False  # KV goes point to point: a failed transfer falls back to objects
-    eplb_interval_s: float = 0.0  # rebalance the experts of both pools this often (0: never)
-
-    def __post_init__(self) -> None:
-        for name in ("kv_lease_s", "reserve_wait_s", "recovery_wait_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"routing {name} must be > 0 (got {getattr(self, name)!r})")
-        if self.prefill_max_imbalance < 0 or self.affinity_blocks < 1 or self.max_resumes < 0:
-            raise ValueError(
-                "routing prefill_max_imbalance and max_resumes must be >= 0, affinity_blocks "
-                f">= 1 (got {self.prefill_max_imbalance!r}, {self.max_resumes!r}, "
-                f"{self.affinity_blocks!r})"
-            )
-
-
 _ABORTED = object()  # _within: the deadline passed or the request was aborted
 
 
-@dataclass(slots=True)
-class _Route:
-    """One request: what the client received, and where its current attempt runs."""
-
-    request: GenerateRequest  # as the client sent it
-    wire: GenerateRequest  # this attempt, as the ranks see it (router-issued id, resume state)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # deltas, None, RankFailed
-    token_ids: list[int] = field(default_factory=list)  # received by the client
-    text: str = ""
-    resumes: int = 0
-    decode: int | None = None  # the decode rank holding its reservation (then its blocks)
-    decode_gen: int = -1
-    prefill: int | None = None
-    prefill_gen: int = -1
-    first: RequestOutput | None = None  # the first token's delta, from the prefill rank
-    kv: Any = None  # the transport's handle of the prompt's KV until the decode rank has it
-    done: bool = False  # finished on a rank: nothing left to abort there
-    started: bool = False  # the decode rank took the request (its reservation is used)
-    kv_fallback: bool = False  # its p2p transfer failed once: the object store from now on
-    arrival: float = field(default_factory=time.monotonic)
-
-
-class ClusterBackend:
+class ClusterBackend(ClusterAdmin):
     def __init__(
         self,
         prefill: list[PrefillRank],
@@ -157,8 +83,8 @@ class ClusterBackend:
         self.metrics = metrics
         self.router_id = uuid.uuid4().hex
         self._seq = itertools.count()
-        self._routes: dict[str, _Route] = {}  # wire id -> route
-        self._by_client: dict[str, _Route] = {}  # client's request id -> route
+        self._routes: dict[str, Route] = {}  # wire id -> route
+        self._by_client: dict[str, Route] = {}  # client's request id -> route
         self._prefill_load = [0] * len(prefill)  # prompt tokens this router has in flight
         self._decode_pending = [0] * len(decode)  # blocks reserved since the last status
         self._pending_poll = -1  # the status poll _decode_pending counts from
@@ -207,69 +133,6 @@ class ClusterBackend:
         ranks = [s.max_model_len for s in self.pools.status.values() if s.max_model_len > 0]
         return min([self._model_info.max_model_len, *ranks])
 
-    async def status(self) -> ClusterStatus:
-        with contextlib.suppress(Exception):
-            await self.pools.poll_once()
-        pools = []
-        for name in ("prefill", "decode"):
-            pool = self.pools[name]
-            ranks = [
-                self.pools.status.get((name, i)) or RankStatus(name, i, False, 0, 0, 0, 0)
-                for i in range(len(pool.ranks))
-            ]
-            pools.append(PoolStatus(name, ranks))
-        return ClusterStatus(pools, num_in_flight=len(self._by_client))
-
-    async def rebalance(
-        self, pool: str | None = None, timeout_s: float = 300.0
-    ) -> list[tuple[str, RebalanceStatus]]:
-        """Re-place the experts of `pool` (None: both) from their measured load, and wait for
-        the outcome (each pool's rank 0 reports the pool's plan). ValueError for a pool of one
-        rank (nothing to balance)."""
-        results = []
-        for name in [pool] if pool else ["prefill", "decode"]:
-            ranks = self.pools[name].ranks
-            before = (await ranks[0].status()).rebalance
-            if before is None:
-                raise ValueError(f"the {name} pool has one rank: there is nothing to balance")
-            await asyncio.gather(*(r.request_rebalance() for r in ranks))
-            end = time.monotonic() + timeout_s
-            while True:
-                now = (await ranks[0].status()).rebalance
-                if now is not None and now.number > before.number and not now.moving:
-                    break
-                if time.monotonic() > end:
-                    raise Unavailable(f"the {name} pool's rebalance did not end in {timeout_s} s")
-                await asyncio.sleep(0.05)
-            results.append((name, now))
-        return results
-
-    async def _rebalance_forever(self) -> None:
-        """Every eplb_interval_s, a rebalance of each pool (skipped by the ranks when the gain
-        is too small)."""
-        while True:
-            await asyncio.sleep(self.routing.eplb_interval_s)
-            if not self.pools.ready():
-                continue
-            try:
-                for name, status in await self.rebalance():
-                    log.info("periodic rebalance of %s: %s", name, status)
-            except Exception:
-                log.exception("periodic rebalance failed")
-
-    async def expert_load(self) -> list[PoolLoad]:
-        """Each pool's load: the tokens its ranks routed to every physical slot, summed."""
-        out = []
-        for name in ("prefill", "decode"):
-            ranks = self.pools[name].ranks
-            loads = await asyncio.gather(*(r.expert_load() for r in ranks))
-            layers = {}
-            for layer, (tokens, experts) in loads[0].items():
-                total = [sum(load[layer][0][s] for load in loads) for s in range(len(tokens))]
-                layers[layer] = (total, experts)
-            out.append(PoolLoad(name, len(ranks), self._model_info.num_routed_experts, layers))
-        return out
-
     # ---- pools failing and coming back ----
 
     def _on_pool_failed(self, pool: str, generation: int) -> None:
@@ -282,19 +145,6 @@ class ClusterBackend:
             if (on_prefill or on_decode) and gen == generation and not route.done:
                 rank = route.prefill if pool == "prefill" else route.decode
                 route.queue.put_nowait(RankFailed(pool, rank, "its pool is re-forming"))
-
-    def pool_ready(self, pool: str) -> float:
-        return 1.0 if self.pools[pool].ready.is_set() else 0.0
-
-    def sd_targets(self) -> list[dict]:
-        """Prometheus HTTP service discovery: every rank's /metrics, labelled by pool and rank
-        (read from the ranks' last status; re-formed ranks appear with their new ports)."""
-        targets = []
-        for (pool, rank), status in sorted(self.pools.status.items()):
-            if status.metrics_endpoint:
-                labels = {"pool": pool, "rank": str(rank), "model_name": self._model_info.model}
-                targets.append({"targets": [status.metrics_endpoint], "labels": labels})
-        return targets
 
     async def _on_pool_reformed(self, pool: str) -> None:
         if self.metrics is not None:
@@ -368,7 +218,7 @@ class ClusterBackend:
         cid = request.request_id
         if cid in self._by_client:
             raise ValueError(f"request id {cid!r} is already in flight")
-        route = self._by_client[cid] = _Route(request, request)
+        route = self._by_client[cid] = Route(request, request)
         try:
             while True:
                 self._begin_attempt(route)
@@ -391,7 +241,7 @@ class ClusterBackend:
                     if self.metrics is not None:
                         self.metrics.child("epcluster_request_resumes_total", e.pool).inc()
                     log.info("resuming %s after %s (%d tokens sent)", cid, e, len(route.token_ids))
-                except _P2PTransferFailed as e:
+                except P2PTransferFailed as e:
                     await asyncio.shield(self._release(route))
                     route.kv_fallback = True
                     self.num_kv_fallbacks += 1
@@ -404,7 +254,7 @@ class ClusterBackend:
             self._routes.pop(route.wire.request_id, None)
             await asyncio.shield(self._release(route))
 
-    def _begin_attempt(self, route: _Route) -> None:
+    def _begin_attempt(self, route: Route) -> None:
         self._routes.pop(route.wire.request_id, None)
         resume = Resume(list(route.token_ids), route.text) if route.token_ids else None
         wire_id = f"{self.router_id}-{next(self._seq)}"
@@ -416,7 +266,7 @@ class ClusterBackend:
         route.done = route.started = False
         self._routes[wire_id] = route
 
-    async def _attempt(self, route: _Route) -> AsyncIterator[RequestOutput]:
+    async def _attempt(self, route: Route) -> AsyncIterator[RequestOutput]:
         request = route.request
         waited = await self._wait_for_pools(request)
         if waited is None:
@@ -455,7 +305,7 @@ class ClusterBackend:
             f"{p.name}: {p.last_failure}" for p in self.pools.pools.values() if p.last_failure
         )
 
-    async def _prefill_phase(self, route: _Route) -> RequestOutput | None:
+    async def _prefill_phase(self, route: Route) -> RequestOutput | None:
         """Reserve the blocks on a decode rank, run the prompt on a prefill rank; -> the first
         token's delta, or None when the deadline passed or the request was aborted."""
         wire = route.wire
@@ -490,7 +340,7 @@ class ClusterBackend:
         route.done = route.first.finished  # finished on the prefill rank (EOS, a stop, ...)
         return route.first
 
-    async def _decode_phase(self, route: _Route) -> AsyncIterator[RequestOutput]:
+    async def _decode_phase(self, route: Route) -> AsyncIterator[RequestOutput]:
         """Hand the prompt's KV to the decode rank and stream its deltas until the finish, the
         deadline or an abort."""
         rank = self.pools["decode"].ranks[route.decode]
@@ -501,7 +351,7 @@ class ClusterBackend:
             raise
         except Exception as e:
             if self.routing.kv_p2p and not route.kv_fallback:
-                raise _P2PTransferFailed(str(e)) from e
+                raise P2PTransferFailed(str(e)) from e
             raise KVTransferFailed(
                 f"the prompt's KV cache did not reach decode rank {route.decode}: {e}"
             ) from e
@@ -533,7 +383,7 @@ class ClusterBackend:
 
         self._kv_rebuild = asyncio.create_task(rebuild())
 
-    async def _release(self, route: _Route) -> None:
+    async def _release(self, route: Route) -> None:
         """Abort the current attempt where it may still hold blocks (an unused decode
         reservation included), and take delivery of a KV transfer nobody started. Idempotent."""
         rid = route.wire.request_id
@@ -553,7 +403,7 @@ class ClusterBackend:
             if isinstance(result, BaseException):
                 log.warning("cleanup of %s failed: %r", rid, result)
 
-    async def _reserve(self, route: _Route) -> int | None:
+    async def _reserve(self, route: Route) -> int | None:
         """Reserve the known tokens' blocks on the best decode rank with room, waiting for room
         up to reserve_wait_s (Overloaded after that); -> the decode rank, None when the
         deadline passes or the request is aborted first."""
@@ -593,7 +443,7 @@ class ClusterBackend:
                 return None
             await self.pools.poll_once()
 
-    async def _within(self, route: _Route, awaitable: Any, watch_queue: bool = True) -> Any:
+    async def _within(self, route: Route, awaitable: Any, watch_queue: bool = True) -> Any:
         """Await `awaitable` until the request's deadline, or (watch_queue) until an abort or a
         rank failure arrives on the route's queue; -> its result, or _ABORTED. A RankFailed,
         from the queue or from the awaitable, is raised."""
@@ -626,10 +476,10 @@ class ClusterBackend:
             raise result
         return _ABORTED if result is None else result
 
-    def _aborted(self, route: _Route) -> RequestOutput:
+    def _aborted(self, route: Route) -> RequestOutput:
         return self._finished(route, "abort")
 
-    def _finished(self, route: _Route, reason: str) -> RequestOutput:
+    def _finished(self, route: Route, reason: str) -> RequestOutput:
         request = route.request
         return RequestOutput(
             request.request_id,
