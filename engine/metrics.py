@@ -1,7 +1,9 @@
-"""Every Prometheus metric epcluster exports, in one catalog: name, type, help, labels, buckets
-and which process exports it. The router (router/metrics.py) and the ranks (engine/rank_metrics.py)
-build their collectors from it, and the dashboards and alert rules (deploy/monitoring/) are
-checked against it: a panel or rule may only query what is defined here.
+"""Every Prometheus metric epcluster exports, in one catalog (SPECS: the router's and the
+engines' here, the expert-parallel ones in engine/metrics_ep.py, Spec in engine/metric_spec.py):
+name, type, help, labels, buckets and which process exports it. The router (router/metrics.py)
+and the ranks (engine/rank_metrics.py) build their collectors from it, and the dashboards and
+alert rules (deploy/monitoring/) are checked against it: a panel or rule may only query what is
+defined here.
 
 Conventions (../shared/OPERATIONS.md): the `epcluster_` prefix, base units in the name, counters
 end in `_total` (prometheus-client adds it: a Spec of kind counter is named with it), no colons.
@@ -10,44 +12,22 @@ Every series carries `model_name`; rank series also `pool` (prefill | decode) an
 series `pool="router"`. Labels that name a pool the router watches are `target_pool`.
 """
 
-from dataclasses import dataclass
+from engine.metric_spec import (  # noqa: F401  (the catalog's names, used by its readers)
+    BYTES_BUCKETS,
+    COUNT_BUCKETS,
+    FINISHED_REASONS,
+    ITL_BUCKETS,
+    POOLS,
+    RANK,
+    REQUEST_BUCKETS,
+    ROUTER,
+    STEP_BUCKETS,
+    TTFT_BUCKETS,
+    Spec,
+)
+from engine.metrics_ep import EP_SPECS
 
-# vLLM v1 (vllm/v1/metrics/loggers.py)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)  # fmt: skip
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-# ours
-STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-                0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
-COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 32, 2))  # 1 KiB .. 1 GiB
-
-ROUTER, RANK = "router", "rank"
-FINISHED_REASONS = ("stop", "length", "abort", "error")
-POOLS = ("prefill", "decode")
-
-
-@dataclass(frozen=True, slots=True)
-class Spec:
-    name: str  # as scraped; counters end in _total
-    kind: str  # counter | gauge | histogram
-    help: str
-    labels: tuple[str, ...] = ()  # beyond model_name (and pool, rank on ranks)
-    buckets: tuple[float, ...] | None = None
-    where: str = RANK  # which process exports it: router or rank
-
-    @property
-    def series_names(self) -> tuple[str, ...]:
-        """Names as they appear in a scrape (what PromQL can select)."""
-        if self.kind == "histogram":
-            return tuple(f"{self.name}_{s}" for s in ("bucket", "sum", "count"))
-        return (self.name,)
-
-
-SPECS: tuple[Spec, ...] = (
+_ROUTER_AND_ENGINE: tuple[Spec, ...] = (
     # ---- the router: requests as users see them ----
     Spec(
         "epcluster_requests_total",
@@ -265,101 +245,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         "epcluster_step_batch_size", "histogram", "Requests in an engine step.", (), COUNT_BUCKETS
     ),
-    # ---- expert parallelism ----
-    Spec(
-        "epcluster_alltoall_duration_seconds",
-        "histogram",
-        "Per step, summed over MoE layers: from sending the rows (dispatch) or the expert "
-        "outputs (combine) to having them back, overlapped work included.",
-        ("phase",),
-        STEP_BUCKETS,
-    ),
-    Spec(
-        "epcluster_alltoall_exposed_seconds_total",
-        "counter",
-        "Time the rank's step waited on all-to-alls (communication not hidden by overlap).",
-        ("phase",),
-    ),
-    Spec(
-        "epcluster_alltoall_bytes_total",
-        "counter",
-        "Bytes this rank sent by all-to-all.",
-        ("phase",),
-    ),
-    Spec(
-        "epcluster_tbo_steps_total",
-        "counter",
-        "EP steps, by whether they ran as two overlapped micro-batches.",
-        ("overlapped",),
-    ),
-    Spec(
-        "epcluster_routed_tokens_total",
-        "counter",
-        "Token-expert rows this rank's routed experts computed.",
-    ),
-    # ---- KV transfer, prefill -> decode ----
-    Spec(
-        "epcluster_kv_transfer_duration_seconds",
-        "histogram",
-        "A prompt's KV transfer: export and send on the prefill rank, receive and import on "
-        "the decode rank.",
-        ("side",),
-        STEP_BUCKETS,
-    ),
-    Spec(
-        "epcluster_kv_transfer_size_bytes",
-        "histogram",
-        "Size of a prompt's KV payload.",
-        (),
-        BYTES_BUCKETS,
-    ),
-    Spec("epcluster_kv_transfer_bytes_total", "counter", "KV bytes sent or received.", ("side",)),
-    Spec(
-        "epcluster_kv_transfer_failures_total",
-        "counter",
-        "KV transfers that failed, by stage.",
-        ("stage",),
-    ),
-    Spec(
-        "epcluster_kv_reservations_total",
-        "counter",
-        "Decode KV reservations by outcome: granted, rejected (no room), expired (lease ran "
-        "out), released (aborted), started (the KV arrived).",
-        ("outcome",),
-    ),
-    # ---- expert load balancing ----
-    Spec(
-        "epcluster_eplb_balancedness_ratio",
-        "gauge",
-        "Mean rank load / max rank load of the pool's MoE layers over the load window: the "
-        "mean over layers, and the worst layer.",
-        ("stat",),
-    ),
-    Spec(
-        "epcluster_eplb_rebalance_in_progress",
-        "gauge",
-        "1 while a re-placement's expert weights are moving (decided, not every layer switched "
-        "yet), else 0.",
-    ),
-    Spec(
-        "epcluster_eplb_rebalances_total",
-        "counter",
-        "Expert re-placements, by outcome (applied, skipped).",
-        ("outcome",),
-    ),
-    Spec(
-        "epcluster_eplb_rebalance_duration_seconds",
-        "histogram",
-        "Time a re-placement took, from the decision to the switch.",
-        (),
-        STEP_BUCKETS,
-    ),
-    Spec(
-        "epcluster_eplb_weight_bytes_moved_total",
-        "counter",
-        "Expert weight bytes this rank received for re-placements.",
-    ),
 )
+SPECS: tuple[Spec, ...] = _ROUTER_AND_ENGINE + EP_SPECS
 
 # Enumerable labels, pre-created at 0 so that alerts never see a missing series; by label name,
 # with per-metric overrides where a name means something else.
