@@ -63,6 +63,7 @@ class Frontend:
         self.ready_wait_s = ready_wait_s  # a request waits this long for a backend not ready
         self.draining = False  # stopping: new requests are refused, streams in flight go on
         self.in_flight: set[str] = set()  # request ids with an open stream on this router
+        self.cleaning = 0  # streams that ended and are still aborting their request
 
     def refuse(self, status: str, message: str, admission: str | None = None, retry=None):
         """Count a refusal before the request started, and return the exception to raise."""
@@ -132,10 +133,19 @@ class Frontend:
             self.in_flight.discard(req.request_id)
             self.admission.release(num_tokens)
             if not finished:  # free the request's KV blocks, even while being cancelled
+                self.cleaning += 1
                 try:
                     await asyncio.shield(self.backend.abort(req.request_id))
                 except Exception:
                     log.exception("aborting request %s failed", req.request_id)
+                finally:
+                    self.cleaning -= 1
+
+    async def settle(self, timeout_s: float = 5.0) -> None:
+        """Wait (up to timeout_s) until no stream is open or still aborting its request."""
+        end = time.monotonic() + timeout_s
+        while (self.in_flight or self.cleaning) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
 
     async def _wait_ready(self, deadline: float | None) -> None:
         """Wait (within the deadline and ready_wait_s) for a backend that is starting or

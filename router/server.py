@@ -283,6 +283,9 @@ class RouterServer:
         while self.frontend.in_flight and time.monotonic() < end:
             await asyncio.sleep(0.05)
         await self._server.stop(0)  # what is still in flight is cancelled (and aborted)
+        # NOTE: the cancelled streams get their turn to send those aborts before the loop closes:
+        # a handler never resumed is closed by the garbage collector later, its abort unsent.
+        await self.frontend.settle()
         if self._http is not None:
             self._http.should_exit = True
             await asyncio.wait_for(self._http_task, 30)
