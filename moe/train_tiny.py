@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from moe.presets import V3_DEFAULTS
+from moe.tiny_report import greedy, plot_losses
+from moe.tiny_routing import RouterLoad, load_stats
 
 TEXT_SOURCE = "pydoc_data.topics (Python language reference topics, PSF License)"
 
@@ -168,62 +170,6 @@ def _randn(key: str, shape: torch.Size) -> torch.Tensor:
     return torch.randn(shape, generator=gen)
 
 
-class RouterLoad:
-    """Counts tokens per routed expert in every MoE layer, from the gates' top-k indices."""
-
-    def __init__(self, model) -> None:
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-
-        self.gates = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
-        self.counts = torch.zeros(len(self.gates), MODEL_CONFIG["n_routed_experts"])  # [L, E]
-        self._hooks = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(self.gates)]
-
-    def _hook(self, layer: int):
-        def count(_module, _inputs, outputs) -> None:
-            topk_idx = outputs[2]  # [B*T, K]
-            self.counts[layer] += torch.bincount(
-                topk_idx.flatten(), minlength=self.counts.shape[1]
-            ).float()
-
-        return count
-
-    def reset(self) -> torch.Tensor:
-        counts, self.counts = self.counts, torch.zeros_like(self.counts)
-        return counts
-
-    def update_biases(self, rate: float) -> None:
-        """DeepSeek-V3's aux-loss-free balancing on the counts since the last reset."""
-        counts = self.reset()  # [L, E]
-        with torch.no_grad():
-            for gate, load in zip(self.gates, counts):
-                gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-
-
-def load_stats(counts: torch.Tensor) -> list[dict[str, float]]:
-    """Per MoE layer, from counts [L, E]: how skewed the routed load is (uniform: max/mean 1,
-    top-2 share 2/E, Gini 0)."""
-    out = []
-    for load in counts:
-        share = load / load.sum()  # [E]
-        ranked = share.sort().values
-        n = len(ranked)
-        gini = float((2 * torch.arange(1, n + 1) - n - 1).float() @ ranked / (n - 1))
-        out.append(
-            {
-                "max_over_mean": round(float(share.max() * n), 3),
-                "min_over_mean": round(float(share.min() * n), 3),
-                "top2_share": round(float(ranked[-2:].sum()), 3),
-                "gini": round(gini, 3),
-                "shares": [round(float(s), 4) for s in share],
-            }
-        )
-    return out
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -278,7 +224,7 @@ def train(
             betas=(0.9, 0.95),
             weight_decay=0.0,
         )
-        router = RouterLoad(model)
+        router = RouterLoad(model, MODEL_CONFIG["n_routed_experts"])
         record: dict[str, Any] = {"losses": [], "held_out": [], "train_tokens": len(data)}
         steps = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
         bar = tqdm(range(steps), desc="train tiny", disable=not progress, file=sys.stderr)
@@ -336,46 +282,6 @@ def save(model, tok, out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-@torch.no_grad()
-def greedy(path: Path, prompt: str, max_new_tokens: int = 40) -> str:
-    """The project's own model (moe.load_model) on the saved checkpoint, greedy, full recompute."""
-    from moe.loader import load_model
-    from moe.tokenizer import load_tokenizer
-
-    model = load_model(path)
-    tok = load_tokenizer(path, model.config.vocab_size, model.config.eos_token_id)
-    ids = tok.encode(prompt)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        nxt = int(model(torch.tensor([ids + new]))[0, -1].argmax())
-        if nxt == tok.eos_token_id:
-            break
-        new.append(nxt)
-    return tok.decode(new)
-
-
-def plot_losses(record: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    losses = torch.tensor(record["losses"])
-    window = 20
-    smooth = losses.unfold(0, window, 1).mean(dim=1)
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(range(1, len(losses) + 1), losses, color="0.8", lw=0.6, label="train (per step)")
-    ax.plot(range(window, len(losses) + 1), smooth, color="C0", label=f"train ({window}-step mean)")
-    steps, held = zip(*record["held_out"]) if record["held_out"] else ((), ())
-    ax.plot(steps, held, "o-", color="C1", ms=3, label="held-out topics")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="tiny preset training")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, metadata={"Software": None})  # no version stamp: same bytes on rerun
-    plt.close(fig)
-
-
 SAMPLE_PROMPTS = ("The", "A list", "In Python,", "A class", "Hello")
 
 
@@ -389,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model, tok, record = train(cfg)
     save(model, tok, args.out)
-    counts = RouterLoad(model)
+    counts = RouterLoad(model, MODEL_CONFIG["n_routed_experts"])
     _, held_docs = corpus(cfg)
     held = token_stream(tok, held_docs)
     record["held_out_final"] = round(evaluate(model, held, cfg.seq_len), 5)
