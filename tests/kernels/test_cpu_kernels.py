@@ -27,6 +27,13 @@ def kernels():
     return module
 
 
+def reference(monkeypatch, fn, *args):
+    """fn(*args) on the torch path (EPCLUSTER_KERNELS=reference), the switch restored after."""
+    with monkeypatch.context() as m:
+        m.setenv("EPCLUSTER_KERNELS", "reference")
+        return fn(*args)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 100])
 @pytest.mark.parametrize(("n_out", "k"), [(1, 8), (7, 17), (33, 96), (300, 384)])
 def test_linear_equals_matmul(kernels, rows, n_out, k):
@@ -151,9 +158,7 @@ def test_rms_norm_equals_reference(kernels, monkeypatch):
         x, w = torch.randn(rows, width + 3, generator=gen), torch.randn(width, generator=gen)
         x = x[:, 3:]  # strided rows
         got = kernels.rms_norm(x, w, 1e-6)
-        monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
-        ref = rms_norm(x, w, 1e-6)
-        monkeypatch.delenv("EPCLUSTER_KERNELS")
+        ref = reference(monkeypatch, rms_norm, x, w, 1e-6)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
         assert torch.equal(rms_norm(x, w, 1e-6), got)  # the public op takes it
 
@@ -168,9 +173,7 @@ def test_rotary_equals_reference(kernels, interleaved, monkeypatch):
     k = torch.randn(5, 50, generator=gen)[:, 18:]  # [T, 32], strided
     for x in (q, k):
         got = kernels.rotary(x, cos, sin, interleaved)
-        monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
-        ref = apply_rotary(x, cos, sin, interleaved)
-        monkeypatch.delenv("EPCLUSTER_KERNELS")
+        ref = reference(monkeypatch, apply_rotary, x, cos, sin, interleaved)
         assert got.shape == ref.shape
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
@@ -236,8 +239,7 @@ def test_mla_decode_equals_the_three_steps(kernels, context_lens, monkeypatch):
     w_uv = torch.randn(heads, dv, rank, generator=gen) / rank**0.5
     got = mla_decode(q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3,
                      w_uv.transpose(1, 2).contiguous())  # fmt: skip
-    monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
-    ref = mla_decode(q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3)
+    ref = reference(monkeypatch, mla_decode, q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3)
     assert got.shape == (len(context_lens), heads, dv) and not got.isnan().any()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
