@@ -65,12 +65,22 @@ void latent_output(const float* p, int64_t ldp, const std::vector<const float*>&
 
 // One (query, head group): q rows [hg, C] (stride C), the query's key rows -> out rows [hg, Dc].
 void attend(const float* q, int hg, const std::vector<const float*>& rows, int64_t width,
-            int64_t rank, float scale, std::vector<float>& scores, float* out, int64_t ldo) {
+            int64_t rank, float scale, std::vector<float>& scores, float* out, int64_t ldo,
+            const float* const* ahead, int64_t n_ahead) {
   const int64_t n = static_cast<int64_t>(rows.size());
   scores.resize(static_cast<size_t>(hg) * n);
   float* s = scores.data();
+  // NOTE: the rows of the task after this one, prefetched while this one computes: the cache
+  // comes from memory (a step reads every layer's), and without this the reads and the
+  // multiplies take turns.
+  const int64_t tiles = (n + kTileW - 1) / kTileW;
+  const int64_t per_tile = (n_ahead + tiles - 1) / tiles;
+  int64_t next = 0;
   for (int64_t j = 0; j < n; j += kTileW) {  // scores [hg, n]
     const int nw = static_cast<int>(std::min<int64_t>(kTileW, n - j));
+    for (int64_t e = std::min(n_ahead, next + per_tile); next < e; ++next)
+      for (int64_t b = 0; b < width * 4; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead[next]) + b, _MM_HINT_T0);
     epc::dot_rows(rows.data() + j, nw, q, width, hg, width, s + j, n);
   }
   float inv[kTileX];
@@ -217,15 +227,27 @@ torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& c
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> rows;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / groups, h0 = (item % groups) * kTileX;
-      const int hg = static_cast<int>(std::min<int64_t>(kTileX, NH - h0));
-      rows.resize(lp[t]);
+    std::vector<const float*> rows, ahead;
+    auto rows_of = [&](int64_t t, std::vector<const float*>& r) {
+      r.resize(lp[t]);
       for (int64_t j = 0; j < lp[t]; ++j)
-        rows[j] = cp + (tp[t * ts0 + (j / BS) * ts1] * BS + j % BS) * C;
+        r[j] = cp + (tp[t * ts0 + (j / BS) * ts1] * BS + j % BS) * C;
+    };
+    int64_t last = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / groups, g = item % groups, h0 = g * kTileX;
+      const int hg = static_cast<int>(std::min<int64_t>(kTileX, NH - h0));
+      if (t != last) {
+        if (t == last + 1 && !ahead.empty()) rows.swap(ahead); else rows_of(t, rows);
+        last = t;
+        ahead.clear();
+        if ((t + 1) * groups < end) rows_of(t + 1, ahead);
+      }
+      // this query's groups share the prefetch of the next query's rows
+      const int64_t na = static_cast<int64_t>(ahead.size());
+      const int64_t a0 = na * g / groups, a1 = na * (g + 1) / groups;
       attend(qp + (t * NH + h0) * C, hg, rows, C, rank, static_cast<float>(scale), scores,
-             op + (t * NH + h0) * rank, rank);
+             op + (t * NH + h0) * rank, rank, ahead.data() + a0, a1 - a0);
     }
   });
   return out;
