@@ -34,7 +34,7 @@ def reference(monkeypatch, fn, *args):
         return fn(*args)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 100])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 32, 100])  # 8 | 9: one-row | four-row tiles
 @pytest.mark.parametrize(("n_out", "k"), [(1, 8), (7, 17), (33, 96), (300, 384)])
 def test_linear_equals_matmul(kernels, rows, n_out, k):
     gen = torch.Generator().manual_seed(rows * 100 + n_out)
