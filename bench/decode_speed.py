@@ -9,6 +9,13 @@ bandwidth, or the step's multiply-adds (2 x the weights a token uses x B, and th
 over the machine's measured fp32 peak (the faster of MKL's large sgemm and the compiled kernel on
 weights in cache), whichever takes longer.
 
+The bandwidth of a shared machine moves with its neighbours' load (36 to 71 GB/s was seen here
+within an hour, seconds apart), so it is measured two ways: before every batch and after the
+last (the roofline takes the best: "fraction_of_roofline"), and between windows of 16 decode
+steps (a 256 MB read, its time left out of the decode time), each window's median step against
+the better of the two probes around it ("fraction_of_roofline_by_window": median, min and max
+over the windows of every run).
+
     .venv/bin/python -m bench.decode_speed [--model small] [--batches 1 8 32] [--threads 2]
 """
 
@@ -21,6 +28,9 @@ import torch
 from bench.common import record, workload
 from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
+
+
+PROBE_GIB = 0.25  # the probes between decode windows: ~10 ms each at 40 GB/s
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -92,7 +102,10 @@ def reset_load(model) -> None:
         m.dispatcher.load = None
 
 
-def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int) -> dict:
+def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int, window: int = 16) -> dict:
+    """One batch to the end. Every `window` decode steps (and before the first) the read
+    bandwidth is probed (`read_bandwidth(PROBE_GIB)`, its time left out of the decode time):
+    "windows" holds each window's median step and the better of the probes around it."""
     requests = workload(batch, (128, 128), (128, 128), vocab, seed)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -100,9 +113,13 @@ def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int) -> dict:
         engine.add_request(f"{seed}-{i}", prompt, params)
     tokens = {f"{seed}-{i}": 0 for i in range(batch)}
     first_all = None
-    decode_steps, experts_per_step = [], []
+    decode_steps, experts_per_step, probes, probing_s = [], [], [], 0.0
     while engine.has_unfinished():
         if first_all is not None:
+            if len(decode_steps) % window == 0:
+                t0 = time.perf_counter()
+                probes.append(read_bandwidth(PROBE_GIB, repeats=2))
+                probing_s += time.perf_counter() - t0
             reset_load(engine.model)
         t0 = time.perf_counter()
         out = engine.step().outputs
@@ -116,11 +133,17 @@ def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int) -> dict:
             first_all = t1
     end = time.perf_counter()
     assert all(n == 128 for n in tokens.values()), tokens
+    probes.append(read_bandwidth(PROBE_GIB, repeats=2))
+    windows = [
+        (statistics.median(decode_steps[i : i + window]), max(probes[k], probes[k + 1]))
+        for k, i in enumerate(range(0, len(decode_steps), window))
+    ]
     return {
         "prefill_s": first_all - start,
-        "decode_s": end - first_all,
+        "decode_s": end - first_all - probing_s,
         "decode_step_ms_median": statistics.median(decode_steps) * 1e3,
         "experts_used_per_step": statistics.median(experts_per_step),
+        "windows": windows,
     }
 
 
@@ -165,6 +188,9 @@ def main() -> None:
         flops = 2 * batch * (dense + top_k * num_moe * per_expert) / itemsize + attention_flops
         roofline_s = max(read / bandwidth, flops / peak)
         at_typical_s = max(read / typical, flops / peak)
+        # each window against the bandwidth probed around it (the same bytes and FLOPs a step)
+        windowed = [max(read / bw, flops / peak) / step for r in runs for step, bw in r["windows"]]
+        window_bw = [bw for r in runs for _, bw in r["windows"]]
         rows[str(batch)] = {
             "decode_tok_s": [round(x, 1) for x in decode],
             "prefill_tok_s": [round(x, 1) for x in prefill],
@@ -181,6 +207,14 @@ def main() -> None:
                 statistics.median(decode) * roofline_s / batch, 3
             ),
             "fraction_at_median_bandwidth": round(at_typical_s * 1e3 / step_ms, 3),
+            "fraction_of_roofline_by_window": {
+                "median": round(statistics.median(windowed), 3),
+                "min": round(min(windowed), 3),
+                "max": round(max(windowed), 3),
+                "windows": len(windowed),
+                "bandwidth_gb_s_min_max": [round(min(window_bw) / 1e9, 1),
+                                           round(max(window_bw) / 1e9, 1)],
+            },
         }
         print(batch, rows[str(batch)], flush=True)
     result = {
