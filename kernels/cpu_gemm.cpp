@@ -22,42 +22,40 @@ using epc::kTileW;
 constexpr int64_t kPrefetchRows = 8;  // how far ahead of its reads a tile prefetches weights
 constexpr int64_t kStreamRows = 8;  // up to this many rows of x, tiles of one weight row
 
-// Weight rows per tile against `rows` rows of x. Few rows are memory-bound: a tile of one weight
-// row reads the weights as one sequential stream, which this class of CPU (AMD Zen 5, 2 cores)
-// reads ~25% faster than four interleaved rows (routed experts at 5 rows each: 33 -> 41 GB/s;
-// lm_head at 1 and 8 rows: 2.28 -> 1.77 and 3.08 -> 2.54 ms). More rows are compute-bound, and
-// kTileW weight rows share each load of x (at 32 rows one-row tiles take 2.5x as long).
-inline int tile_width(int64_t rows) { return rows <= kStreamRows ? 1 : kTileW; }
-
 // For each group g with rows[g] > 0: y[starts[g] + i, :] = x[starts[g] + i, :] @ w[g].T, with
-// w [G, n_out, K] contiguous and x, y row-major (ldx, ldy). Threads share the weight-row tiles
-// of every group, so the expert weights a step needs are read once, split evenly.
+// w [G, n_out, K] contiguous and x, y row-major (ldx, ldy). Threads share the tasks of kTileW
+// weight rows of every group (the same bytes each), so the expert weights a step needs are read
+// once, split evenly. A group of up to kStreamRows rows of x is memory-bound: its task reads
+// the weight rows one at a time, one sequential stream, which this class of CPU (AMD Zen 5, 2
+// cores) reads ~25% faster than four interleaved rows (routed experts at 5 rows each: 33 -> 41
+// GB/s; lm_head at 1 and 8 rows: 2.28 -> 1.77 and 3.08 -> 2.54 ms). More rows are
+// compute-bound, and a tile of kTileW weight rows shares each load of x among them (at 32 rows
+// one row at a time takes 2.5x as long).
 void grouped_linear(const float* x, int64_t ldx, int64_t K, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& rows, const float* w, int64_t n_out, float* y,
                     int64_t ldy) {
-  std::vector<int64_t> groups, first;  // the groups with rows, and the first tile of each
-  int64_t total = 0;
-  for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g) {
-    if (rows[g] == 0) continue;
-    groups.push_back(g);
-    first.push_back(total);
-    total += (n_out + tile_width(rows[g]) - 1) / tile_width(rows[g]);
-  }
-  // NOTE: at least 16 KiB of weights per task (64 KiB in four-row tiles): below that a thread
-  // costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, (1 << 12) / K);
+  std::vector<int64_t> groups;
+  for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g)
+    if (rows[g] > 0) groups.push_back(g);
+  const int64_t tiles = (n_out + kTileW - 1) / kTileW;
+  const int64_t total = static_cast<int64_t>(groups.size()) * tiles;
+  // NOTE: about 64 KiB of weights per task at least: below that a thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / (K * kTileW));
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    size_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t item = begin; item < end; ++item) {
-      while (i + 1 < first.size() && item >= first[i + 1]) ++i;
-      const int64_t g = groups[i];
-      const int width = tile_width(rows[g]);
-      const int64_t n0 = (item - first[i]) * width;
-      const int nw = static_cast<int>(std::min<int64_t>(width, n_out - n0));
+      const int64_t g = groups[item / tiles];
+      const int64_t n0 = (item % tiles) * kTileW;
+      const int nw = static_cast<int>(std::min<int64_t>(kTileW, n_out - n0));
       const float* wr[kTileW];
       for (int j = 0; j < nw; ++j) wr[j] = w + (g * n_out + n0 + j) * K;
-      epc::dot_rows(wr, nw, x + starts[g] * ldx, ldx, rows[g], K, y + starts[g] * ldy + n0, ldy,
-                    kPrefetchRows * K);
+      const float* xg = x + starts[g] * ldx;
+      float* yg = y + starts[g] * ldy + n0;
+      if (rows[g] <= kStreamRows) {
+        for (int j = 0; j < nw; ++j)
+          epc::dot_rows(wr + j, 1, xg, ldx, rows[g], K, yg + j, ldy, kPrefetchRows * K);
+      } else {
+        epc::dot_rows(wr, nw, xg, ldx, rows[g], K, yg, ldy, kPrefetchRows * K);
+      }
     }
   });
 }
