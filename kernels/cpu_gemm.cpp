@@ -31,6 +31,10 @@ constexpr int64_t kStreamRows = 8;  // up to this many rows of x, tiles of one w
 // GB/s; lm_head at 1 and 8 rows: 2.28 -> 1.77 and 3.08 -> 2.54 ms). More rows are
 // compute-bound, and a tile of kTileW weight rows shares each load of x among them (at 32 rows
 // one row at a time takes 2.5x as long).
+// NOTE: both sum each output in the same order (vector lanes over k, then the lanes), so a row's
+// result does not depend on how many rows share the call (the test for it asserts equality):
+// the cluster, which batches requests differently from the engine, gives the same tokens. A
+// different order for some row counts (weights broadcast against x transposed) would break that.
 void grouped_linear(const float* x, int64_t ldx, int64_t K, const std::vector<int64_t>& starts,
                     const std::vector<int64_t>& rows, const float* w, int64_t n_out, float* y,
                     int64_t ldy) {
