@@ -9,6 +9,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace epc {
@@ -101,13 +102,20 @@ inline vec vexp(vec x) {
 
 // out[i * ldo + j] = sum_k w[j][k] * x[i * ldx + k] for i < MX, j < NW: NW weight rows (given
 // by pointer, anywhere) against MX rows of x, length K, each weight row read once.
-// pf > 0: while reading w[j][k], prefetch w[j][k + pf] (the weights a later tile reads).
+// pf > 0: while reading w[j][k], prefetch w[j][k + pf] (the weights a later tile reads), on
+// every pf_every-th vector of k starting at the pf_phase-th: a tile that makes several passes
+// over the same weights (one per kTileX rows of x) spreads the next weights' prefetches over all
+// of them, so memory is busy the whole time instead of during the first pass only.
 // NOTE: without it a tile of several x rows computes long enough per cache line that the
 // hardware prefetcher falls behind: streaming weights from memory dropped from ~31 to ~15 GB/s
 // on one core at 6 rows.
-template <int NW, int MX>
+// PACKED: x is this tile's rows as pack_rows lays them out ([K / kLanes][MX][kLanes]), one
+// sequential stream where row-major rows are MX streams (cpu_gemm.cpp packs them);
+// the same values summed in the same order.
+template <int NW, int MX, bool PACKED = false>
 inline void dot_tile(const float* const* w, const float* x, int64_t ldx, int64_t K, float* out,
-                     int64_t ldo, int64_t pf) {
+                     int64_t ldo, int64_t pf, int pf_phase = 0, int pf_every = 1) {
+  int countdown = pf_phase + 1;
   vec acc[NW][MX];
 #pragma GCC unroll 8
   for (int j = 0; j < NW; ++j)
@@ -118,14 +126,16 @@ inline void dot_tile(const float* const* w, const float* x, int64_t ldx, int64_t
     vec wv[NW];
 #pragma GCC unroll 8
     for (int j = 0; j < NW; ++j) wv[j] = vload(w[j] + k);
-    if (pf > 0) {  // one streamed row: non-temporal (it is not read again; 3-8% faster there)
+    if (pf > 0 && --countdown == 0) {
+      // one streamed row: non-temporal (it is not read again; 3-8% faster there)
 #pragma GCC unroll 8
       for (int j = 0; j < NW; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w[j] + k + pf), NW == 1 ? _MM_HINT_NTA : _MM_HINT_T0);
+      countdown = pf_every;
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MX; ++i) {
-      const vec xv = vload(x + i * ldx + k);
+      const vec xv = PACKED ? vload(x + k * MX + i * kLanes) : vload(x + i * ldx + k);
 #pragma GCC unroll 8
       for (int j = 0; j < NW; ++j) acc[j][i] = vfma(wv[j], xv, acc[j][i]);
     }
@@ -137,7 +147,7 @@ inline void dot_tile(const float* const* w, const float* x, int64_t ldx, int64_t
     for (int j = 0; j < NW; ++j) wv[j] = vload_n(w[j] + k, n);
 #pragma GCC unroll 8
     for (int i = 0; i < MX; ++i) {
-      const vec xv = vload_n(x + i * ldx + k, n);
+      const vec xv = PACKED ? vload(x + k * MX + i * kLanes) : vload_n(x + i * ldx + k, n);
 #pragma GCC unroll 8
       for (int j = 0; j < NW; ++j) acc[j][i] = vfma(wv[j], xv, acc[j][i]);
     }
@@ -148,35 +158,61 @@ inline void dot_tile(const float* const* w, const float* x, int64_t ldx, int64_t
     for (int i = 0; i < MX; ++i) out[i * ldo + j] = vsum(acc[j][i]);
 }
 
-// dot_tile for nw <= kTileW weight rows and any number of x rows (in tiles of kTileX):
-// out[i * ldo + j] for i < rows, j < nw.
-// Only the first pass over the x rows prefetches: the later ones find the weights in cache.
-template <int NW>
+// K rounded up to whole vectors.
+inline int64_t padded(int64_t K) { return (K + kLanes - 1) / kLanes * kLanes; }
+
+// rows x rows of x (row-major, ldx) laid out for dot_rows<true>: the tile of rows r0 .. r0 + mx
+// (r0 a multiple of kTileX, mx <= kTileX) at xp + r0 * padded(K), as [padded(K) / kLanes][mx]
+// [kLanes], zeros after K (the unpacked tile loads zeros there too).
+inline void pack_rows(const float* x, int64_t ldx, int64_t rows, int64_t K, float* xp) {
+  const int64_t Kp = padded(K);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileX) {
+    const int64_t mx = std::min<int64_t>(kTileX, rows - r0);
+    float* dst = xp + r0 * Kp;
+    for (int64_t k = 0; k < Kp; k += kLanes) {
+      const int n = static_cast<int>(std::min<int64_t>(kLanes, K - k));
+      for (int64_t i = 0; i < mx; ++i) {
+        const float* src = x + (r0 + i) * ldx + k;
+        vstore(dst + k * mx + i * kLanes, n == kLanes ? vload(src) : vload_n(src, n));
+      }
+    }
+  }
+}
+
+// dot_tile for nw <= kTileW weight rows and any number of x rows (in tiles of kTileX; PACKED:
+// as pack_rows laid them out, ldx unused): out[i * ldo + j] for i < rows, j < nw. The passes
+// over the x tiles share the prefetching of the weights pf ahead.
+template <int NW, bool PACKED>
 inline void dot_rows_fixed(const float* const* w, const float* x, int64_t ldx, int64_t rows,
                            int64_t K, float* out, int64_t ldo, int64_t pf) {
+  const int64_t tile_stride = PACKED ? padded(K) : ldx;
+  const int passes = static_cast<int>((rows + kTileX - 1) / kTileX);
+  int pass = 0;
   int64_t i = 0;
-  for (; i + kTileX <= rows; i += kTileX, pf = 0)
-    dot_tile<NW, kTileX>(w, x + i * ldx, ldx, K, out + i * ldo, ldo, pf);
-  const float* xt = x + i * ldx;
+  for (; i + kTileX <= rows; i += kTileX, ++pass)
+    dot_tile<NW, kTileX, PACKED>(w, x + i * tile_stride, ldx, K, out + i * ldo, ldo, pf, pass,
+                                 passes);
+  const float* xt = x + i * tile_stride;
   float* ot = out + i * ldo;
   switch (rows - i) {
-    case 1: dot_tile<NW, 1>(w, xt, ldx, K, ot, ldo, pf); break;
-    case 2: dot_tile<NW, 2>(w, xt, ldx, K, ot, ldo, pf); break;
-    case 3: dot_tile<NW, 3>(w, xt, ldx, K, ot, ldo, pf); break;
-    case 4: dot_tile<NW, 4>(w, xt, ldx, K, ot, ldo, pf); break;
-    case 5: dot_tile<NW, 5>(w, xt, ldx, K, ot, ldo, pf); break;
+    case 1: dot_tile<NW, 1, PACKED>(w, xt, ldx, K, ot, ldo, pf, pass, passes); break;
+    case 2: dot_tile<NW, 2, PACKED>(w, xt, ldx, K, ot, ldo, pf, pass, passes); break;
+    case 3: dot_tile<NW, 3, PACKED>(w, xt, ldx, K, ot, ldo, pf, pass, passes); break;
+    case 4: dot_tile<NW, 4, PACKED>(w, xt, ldx, K, ot, ldo, pf, pass, passes); break;
+    case 5: dot_tile<NW, 5, PACKED>(w, xt, ldx, K, ot, ldo, pf, pass, passes); break;
     default: break;
   }
 }
 
+template <bool PACKED = false>
 inline void dot_rows(const float* const* w, int nw, const float* x, int64_t ldx, int64_t rows,
                      int64_t K, float* out, int64_t ldo, int64_t pf = 0) {
   switch (nw) {
-    case 1: dot_rows_fixed<1>(w, x, ldx, rows, K, out, ldo, pf); break;
-    case 2: dot_rows_fixed<2>(w, x, ldx, rows, K, out, ldo, pf); break;
+    case 1: dot_rows_fixed<1, PACKED>(w, x, ldx, rows, K, out, ldo, pf); break;
+    case 2: dot_rows_fixed<2, PACKED>(w, x, ldx, rows, K, out, ldo, pf); break;
 #if defined(__AVX512F__)
-    case 3: dot_rows_fixed<3>(w, x, ldx, rows, K, out, ldo, pf); break;
-    case 4: dot_rows_fixed<4>(w, x, ldx, rows, K, out, ldo, pf); break;
+    case 3: dot_rows_fixed<3, PACKED>(w, x, ldx, rows, K, out, ldo, pf); break;
+    case 4: dot_rows_fixed<4, PACKED>(w, x, ldx, rows, K, out, ldo, pf); break;
 #endif
     default: break;
   }
