@@ -29,7 +29,6 @@ from bench.common import record, workload
 from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 
-
 PROBE_GIB = 0.25  # the probes between decode windows: ~10 ms each at 40 GB/s
 
 
@@ -42,8 +41,9 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def peak_flops(repeats: int = 5) -> float:
-    """fp32 multiply-add FLOP/s: the best of MKL's sgemm on 2048^3 and the compiled kernel
-    (kernels/cpu.py) on 96 rows x a 3 MB weight that stays in cache."""
+    """fp32 multiply-add FLOP/s: the best of MKL's sgemm on 2048^3 and the compiled kernels
+    (kernels/cpu.py) on weights that stay in cache: the dot tiles at 96 rows x 3 MB, the panel
+    tiles (what the dense projections take) at 32 and 96 rows x 1.5 MB."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
     best = 2 * 2048**3 / min(_timed(lambda: a @ b) for _ in range(repeats))
@@ -51,10 +51,15 @@ def peak_flops(repeats: int = 5) -> float:
 
     kernel = cpu_kernels()
     if kernel is not None:
-        x, w = torch.randn(96, 768), torch.randn(1024, 768)
-        kernel.linear(x, w)
-        seconds = min(_timed(lambda: [kernel.linear(x, w) for _ in range(20)]) for _ in range(5))
-        best = max(best, 20 * 2 * 96 * 768 * 1024 / seconds)
+        w = torch.randn(1024, 768)
+        p = kernel.pack_panels(w[:512].contiguous())
+        cases = [(96, 1024, lambda x: kernel.linear(x, w))]
+        cases += [(rows, 512, lambda x: kernel.linear_panels(x, p, 512)) for rows in (32, 96)]
+        for rows, n, fn in cases:
+            x = torch.randn(rows, 768)
+            fn(x)
+            seconds = min(_timed(lambda: [fn(x) for _ in range(20)]) for _ in range(repeats))  # noqa: B023
+            best = max(best, 20 * 2 * rows * 768 * n / seconds)
     return best
 
 

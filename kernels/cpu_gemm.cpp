@@ -4,8 +4,10 @@
 //
 // Why not MKL: for a few rows MKL packs each weight matrix on every call and reads it at 5-16
 // GB/s, and on this class of CPU (AMD, AVX-512) it multiplies with 256-bit vectors, half the
-// machine's fp32 peak. Here each weight row is read once, in place, by a dot-product tile of up
-// to 4 weight rows x 6 rows of x in registers (kernels/cpu_simd.h); threads split weight rows.
+// machine's fp32 peak. Here each weight row is read once: in place, by a dot-product tile of up
+// to 4 weight rows x 6 rows of x in registers (kernels/cpu_simd.h: the routed experts, any
+// weight), or from a copy laid out in panels once (pack_panels: the layers' dense projections,
+// outer-product tiles of 8 rows x 48 outputs); threads split weight rows.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -93,6 +95,125 @@ void check_matrix(const torch::Tensor& t, int64_t dim, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// ---- weights packed in panels (the dense projections) --------------------------------------
+// pack_panels lays W [N, K] out as [T, K, kPanel] (T = ceil(N / kPanel), zeros past row N):
+// kPanel output columns side by side for every k, so a task (one panel) reads one sequential
+// stream, and a tile is an outer product: per k, kPanelVecs vectors of weights times the
+// broadcast x[i, k] of each of its rows. Against the dot tiles it reads ~2.3x fewer bytes from
+// cache per multiply-add and sums no lanes at the end: 400 GFLOP/s at 32 rows in cache (the dot
+// tiles 270-290); lm_head at 32 rows 5.8 -> 4.5 ms, o_proj 149 -> 107 us in A/B.
+// NOTE: each output is one chain of fused multiply-adds over k in order, whatever the number of
+// rows (a tile of 1 row and one of 8 do the same), so rows stay independent of the batch.
+constexpr int kPanelVecs = 3;
+constexpr int64_t kPanel = kPanelVecs * kLanes;
+constexpr int kPanelRows = kLanes == 16 ? 8 : 4;  // rows of x per tile: 8 x 3 (AVX2: 4 x 3) acc.
+
+// y[i, :n_valid] for i < MX from panel p (K x kPanel) and x rows (ldx). pf: the next panel,
+// prefetched to L2 on every pf_every-th k from the pf_phase-th (the passes of a panel over its
+// tiles of rows share it, as in epc::dot_tile).
+template <int MX>
+inline void panel_tile(const float* p, const float* x, int64_t ldx, int64_t K, float* y,
+                       int64_t ldy, int n_valid, const float* pf, int pf_phase, int pf_every) {
+  epc::vec acc[MX][kPanelVecs];
+#pragma GCC unroll 8
+  for (int i = 0; i < MX; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kPanelVecs; ++j) acc[i][j] = epc::vzero();
+  int countdown = pf_phase + 1;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* pk = p + k * kPanel;
+    epc::vec wv[kPanelVecs];
+#pragma GCC unroll 4
+    for (int j = 0; j < kPanelVecs; ++j) wv[j] = epc::vload(pk + j * kLanes);
+    if (pf != nullptr && --countdown == 0) {
+#pragma GCC unroll 4
+      for (int j = 0; j < kPanelVecs; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel + j * kLanes), _MM_HINT_T1);
+      countdown = pf_every;
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MX; ++i) {
+      const epc::vec xb = epc::vset(x[i * ldx + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < kPanelVecs; ++j) acc[i][j] = epc::vfma(xb, wv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MX; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kPanelVecs; ++j) {
+      const int n = n_valid - j * kLanes;
+      if (n >= kLanes)
+        epc::vstore(y + i * ldy + j * kLanes, acc[i][j]);
+      else if (n > 0)
+        epc::vstore_n(y + i * ldy + j * kLanes, acc[i][j], n);
+    }
+}
+
+// One panel against all rows of x, kPanelRows at a time.
+void panel_rows(const float* p, const float* x, int64_t ldx, int64_t rows, int64_t K, float* y,
+                int64_t ldy, int n_valid, const float* pf) {
+  const int passes = static_cast<int>((rows + kPanelRows - 1) / kPanelRows);
+  int pass = 0;
+  int64_t i = 0;
+  for (; i + kPanelRows <= rows; i += kPanelRows, ++pass)
+    panel_tile<kPanelRows>(p, x + i * ldx, ldx, K, y + i * ldy, ldy, n_valid, pf, pass, passes);
+  const float* xt = x + i * ldx;
+  float* yt = y + i * ldy;
+  switch (rows - i) {
+    case 1: panel_tile<1>(p, xt, ldx, K, yt, ldy, n_valid, pf, pass, passes); break;
+    case 2: panel_tile<2>(p, xt, ldx, K, yt, ldy, n_valid, pf, pass, passes); break;
+    case 3: panel_tile<3>(p, xt, ldx, K, yt, ldy, n_valid, pf, pass, passes); break;
+#if defined(__AVX512F__)
+    case 4: panel_tile<4>(p, xt, ldx, K, yt, ldy, n_valid, pf, pass, passes); break;
+    case 5: panel_tile<5>(p, xt, ldx, K, yt, ldy, n_valid, pf, pass, passes); break;
+    case 6: panel_tile<6>(p, xt, ldx, K, yt, ldy, n_valid, pf, pass, passes); break;
+    case 7: panel_tile<7>(p, xt, ldx, K, yt, ldy, n_valid, pf, pass, passes); break;
+#endif
+    default: break;
+  }
+}
+
+// y [M, n_out] (ldy) = x [M, K] (ldx) @ W.T, W as pack_panels laid it out; threads split panels.
+void panel_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const float* p,
+                  int64_t n_out, float* y, int64_t ldy) {
+  const int64_t T = (n_out + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / (K * kPanel));  // >= 64 KiB a task
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* pt = p + t * K * kPanel;
+      panel_rows(pt, x, ldx, M, K, y + t * kPanel, ldy,
+                 static_cast<int>(std::min<int64_t>(kPanel, n_out - t * kPanel)),
+                 t + 1 < end ? pt + K * kPanel : nullptr);
+    }
+  });
+}
+
+// h [N, I] = silu(gu[:, :I]) * gu[:, I:] for gu [N, 2I].
+void silu_mul_rows(const float* gu, int64_t N, int64_t I, float* h) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gu + r * 2 * I;
+      const float* u = g + I;
+      float* o = h + r * I;
+      for (int64_t k = 0; k < I; k += kLanes) {
+        const int n = static_cast<int>(std::min<int64_t>(kLanes, I - k));
+        const epc::vec gv = epc::vload_n(g + k, n);
+        const epc::vec sig = epc::vdiv(epc::vset(1.0f), epc::vadd(epc::vset(1.0f),
+                                       epc::vexp(epc::vsub(epc::vzero(), gv))));
+        epc::vstore_n(o + k, epc::vmul(epc::vmul(gv, sig), epc::vload_n(u + k, n)), n);
+      }
+    }
+  });
+}
+
+void check_panels(const torch::Tensor& p, int64_t n_out, int64_t K, const char* name) {
+  check_matrix(p, 3, name);
+  TORCH_CHECK(p.size(0) == (n_out + kPanel - 1) / kPanel && p.size(1) == K &&
+                  p.size(2) == kPanel,
+              name, " ", p.sizes(), " is not pack_panels of a [", n_out, ", ", K, "] weight");
+}
+
 }  // namespace
 
 // x [M, K], w [N, K] -> [M, N] = x @ w.T.
@@ -137,21 +258,48 @@ torch::Tensor grouped_mlp(const torch::Tensor& x, const std::vector<int64_t>& co
   float* hp = h.data_ptr<float>();
   grouped_linear(x.data_ptr<float>(), D, D, starts, counts, w13.data_ptr<float>(), 2 * I, gu,
                  2 * I);
-  at::parallel_for(0, N, std::max<int64_t>(1, 4096 / I), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gu + r * 2 * I;
-      const float* u = g + I;
-      float* o = hp + r * I;
-      for (int64_t k = 0; k < I; k += kLanes) {
-        const int n = static_cast<int>(std::min<int64_t>(kLanes, I - k));
-        const epc::vec gv = epc::vload_n(g + k, n);
-        const epc::vec sig = epc::vdiv(epc::vset(1.0f), epc::vadd(epc::vset(1.0f),
-                                       epc::vexp(epc::vsub(epc::vzero(), gv))));
-        epc::vstore_n(o + k, epc::vmul(epc::vmul(gv, sig), epc::vload_n(u + k, n)), n);
-      }
-    }
-  });
+  silu_mul_rows(gu, N, I, hp);
   grouped_linear(hp, I, I, starts, counts, w2.data_ptr<float>(), D, out.data_ptr<float>(), D);
+  return out;
+}
+
+// w [N, K] -> [ceil(N / kPanel), K, kPanel], the layout of linear_panels and mlp_panels.
+torch::Tensor pack_panels(const torch::Tensor& w) {
+  check_matrix(w, 2, "w");
+  const int64_t N = w.size(0), K = w.size(1), T = (N + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({T * kPanel, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({T, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K], p = pack_panels(w [n_out, K]) -> [M, n_out] = x @ w.T.
+torch::Tensor linear_panels(const torch::Tensor& x, const torch::Tensor& p, int64_t n_out) {
+  check_matrix(x, 2, "x");
+  check_panels(p, n_out, x.size(1), "p");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, n_out}, x.options());
+  if (M > 0)
+    panel_linear(x.data_ptr<float>(), K, M, K, p.data_ptr<float>(), n_out, y.data_ptr<float>(),
+                 n_out);
+  return y;
+}
+
+// x [N, D], p13 = pack_panels(w13 [2I, D]) (gate rows, then up rows), p2 = pack_panels(w2 [D, I])
+// -> [N, D] = (silu(x w_gate.T) * x w_up.T) w2.T: a dense MLP (or shared expert) in one call.
+torch::Tensor mlp_panels(const torch::Tensor& x, const torch::Tensor& p13, const torch::Tensor& p2,
+                         int64_t I) {
+  check_matrix(x, 2, "x");
+  const int64_t N = x.size(0), D = x.size(1);
+  check_panels(p13, 2 * I, D, "p13");
+  check_panels(p2, D, I, "p2");
+  auto out = torch::empty({N, D}, x.options());
+  if (N == 0) return out;
+  auto gate_up = torch::empty({N, 2 * I}, x.options());
+  auto h = torch::empty({N, I}, x.options());
+  panel_linear(x.data_ptr<float>(), D, N, D, p13.data_ptr<float>(), 2 * I,
+               gate_up.data_ptr<float>(), 2 * I);
+  silu_mul_rows(gate_up.data_ptr<float>(), N, I, h.data_ptr<float>());
+  panel_linear(h.data_ptr<float>(), I, N, I, p2.data_ptr<float>(), D, out.data_ptr<float>(), D);
   return out;
 }
 
@@ -188,6 +336,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax, lowest index on ties (fp32)");
   m.def("combine", &combine, "weighted sum of each token's expert rows (fp32)");
   m.def("linear", &linear, "x @ w.T (fp32)");
+  m.def("pack_panels", &pack_panels, "w [N, K] laid out for linear_panels and mlp_panels");
+  m.def("linear_panels", &linear_panels, "x @ w.T, w packed by pack_panels (fp32)");
+  m.def("mlp_panels", &mlp_panels, "SiLU-gated MLP over weights packed by pack_panels (fp32)");
   m.def("grouped_mlp", &grouped_mlp, "SiLU-gated expert MLPs over slot-sorted rows (fp32)");
   m.def("paged_mla_attention", &paged_mla_attention,
         "absorbed MLA attention over a paged latent cache, one row of heads per query (fp32)");

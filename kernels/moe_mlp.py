@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
 from kernels.cpu import cpu_kernels
-from kernels.linear import linear
+from kernels.linear import linear, panels
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_scale_inv block (moe/fp8.py)
 
@@ -21,6 +21,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] -> [..., I]: silu(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def dense_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One SiLU-gated MLP over every row (the dense layers, the shared experts): x [N, D],
+    w13 [2I, D] (gate rows then up rows), w2 [D, I] -> [N, D]. On fp32 CPU tensors one call of
+    the compiled kernel over panel copies of the weights (kernels.linear.panels), else one slot
+    of grouped_expert_mlp."""
+    if (
+        use_cpu_kernel(x)
+        and w13.dtype == w2.dtype == torch.float32
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+    ):
+        return cpu_kernels().mlp_panels(x.contiguous(), panels(w13), panels(w2), w2.shape[1])
+    return grouped_expert_mlp(x, [x.shape[0]], w13[None], w2[None])
 
 
 def grouped_expert_mlp(

@@ -112,8 +112,8 @@ class MLAttention(nn.Module):
         roped k_pe)"""
         c = self.config
         if self.w_in is not None:
-            q, kv_a = linear(x, self.w_in).split([self.w_in.shape[0] - c.kv_cache_width,
-                                                  c.kv_cache_width], dim=-1)  # fmt: skip
+            q_width = self.w_in.shape[0] - c.kv_cache_width
+            q, kv_a = linear(x, self.w_in, packed=True).split([q_width, c.kv_cache_width], dim=-1)
         else:
             q = (self.q_proj if c.q_lora_rank is None else self.q_a_proj)(x)
             kv_a = self.kv_a_proj_with_mqa(x)

@@ -11,7 +11,7 @@ from torch import nn
 
 from kernels.gate import grouped_topk
 from kernels.linear import Linear, fuse_rows, linear
-from kernels.moe_mlp import grouped_expert_mlp, silu_and_mul
+from kernels.moe_mlp import dense_mlp, grouped_expert_mlp, silu_and_mul
 from kernels.rmsnorm import rms_norm
 from moe.config import ModelConfig
 from moe.dispatch import Dispatcher, LocalDispatcher
@@ -47,9 +47,7 @@ class MLP(nn.Module):
         if self.w13 is None:
             gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
             return self.down_proj(silu_and_mul(gate_up))
-        # one expert over every row: the grouped MLP (one call of the compiled kernel on CPU)
-        w2 = self.down_proj.weight
-        return grouped_expert_mlp(x, [x.shape[0]], self.w13[None], w2[None])
+        return dense_mlp(x, self.w13, self.down_proj.weight)  # one kernel call on CPU
 
 
 class Gate(nn.Module):

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from kernels.cpu import clear_stale_lock, cpu_kernels
+from kernels.linear import linear, panels
 from kernels.mla_attention import paged_latent_attention, paged_latent_attention_ref
-from kernels.moe_mlp import grouped_expert_mlp, grouped_expert_mlp_ref
+from kernels.moe_mlp import dense_mlp, grouped_expert_mlp, grouped_expert_mlp_ref
 from tests.kernels.test_mla_attention import paged_case
 
 
@@ -34,7 +35,8 @@ def reference(monkeypatch, fn, *args):
         return fn(*args)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 32, 100])  # 8 | 9: one-row | four-row tiles
+# 8 | 9 rows: one-row | four-row tiles
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 13, 32, 100])
 @pytest.mark.parametrize(("n_out", "k"), [(1, 8), (7, 17), (33, 96), (300, 384)])
 def test_linear_equals_matmul(kernels, rows, n_out, k):
     gen = torch.Generator().manual_seed(rows * 100 + n_out)
@@ -59,6 +61,61 @@ def test_linear_refuses_what_it_cannot_take(kernels):
         kernels.linear(torch.randn(2, 8), torch.randn(8, 3).T)
     with pytest.raises(RuntimeError, match="fp32"):
         kernels.linear(torch.randn(2, 8).double(), torch.randn(3, 8).double())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 17, 32, 100])  # tiles of 8 rows and their rests
+@pytest.mark.parametrize(("n_out", "k"), [(1, 8), (47, 17), (49, 96), (300, 384)])  # panels of 48
+def test_linear_panels_equals_matmul(kernels, rows, n_out, k):
+    gen = torch.Generator().manual_seed(rows * 100 + n_out)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n_out, k, generator=gen)
+    got = kernels.linear_panels(x, kernels.pack_panels(w), n_out)
+    assert got.shape == (rows, n_out)
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_panels_rows_are_independent_of_the_batch(kernels):
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(21, 70, generator=gen), torch.randn(100, 70, generator=gen)
+    p = kernels.pack_panels(w)
+    together = kernels.linear_panels(x, p, 100)
+    alone = torch.cat([kernels.linear_panels(x[i : i + 1], p, 100) for i in range(21)])
+    assert torch.equal(together, alone)
+
+
+def test_packed_linear_follows_its_weight(kernels):
+    """linear(packed=True) keeps the panels on the weight and packs again when the weight changes
+    in place (a tensor that counts versions) or is given new storage."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 40, generator=gen), torch.randn(30, 40, generator=gen)
+    first = linear(x, w, packed=True)
+    assert panels(w) is panels(w)  # kept
+    torch.testing.assert_close(first, x @ w.T, rtol=1e-5, atol=1e-5)
+    w.mul_(2)
+    torch.testing.assert_close(linear(x, w, packed=True), 2 * first, rtol=1e-5, atol=1e-5)
+    w.data = torch.randn(30, 40, generator=gen)
+    torch.testing.assert_close(linear(x, w, packed=True), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_panels_refuses_what_it_cannot_take(kernels):
+    p = kernels.pack_panels(torch.randn(50, 8))
+    with pytest.raises(RuntimeError, match="not pack_panels of a \\[50, 9\\] weight"):
+        kernels.linear_panels(torch.randn(2, 9), p, 50)
+    with pytest.raises(RuntimeError, match="not pack_panels of a \\[97, 8\\] weight"):
+        kernels.linear_panels(torch.randn(2, 8), p, 97)
+
+
+@pytest.mark.parametrize(("rows", "hidden", "inter"), [(1, 40, 24), (13, 64, 50), (32, 768, 384)])
+def test_dense_mlp_equals_reference(kernels, rows, hidden, inter):
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=gen)
+    w13 = torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(hidden, inter, generator=gen) / inter**0.5
+    got = dense_mlp(x, w13, w2)
+    torch.testing.assert_close(
+        got, grouped_expert_mlp_ref(x, [rows], w13[None], w2[None]), rtol=1e-4, atol=1e-5
+    )
+    alone = torch.cat([dense_mlp(x[i : i + 1], w13, w2) for i in range(rows)])
+    assert torch.equal(got, alone)
 
 
 @pytest.mark.parametrize(
