@@ -44,7 +44,7 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 def peak_flops(repeats: int = 5) -> float:
     """fp32 multiply-add FLOP/s: the best of MKL's sgemm on 2048^3 and the compiled kernels
     (kernels/cpu.py) on weights that stay in cache: the dot tiles at 96 rows x 3 MB, the panel
-    tiles (what the dense projections take) at 32 and 96 rows x 1.5 MB."""
+    tiles (what the dense projections take) at 32, 96 and 256 rows x 1.5 MB."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
     best = 2 * 2048**3 / min(_timed(lambda: a @ b) for _ in range(repeats))
@@ -55,7 +55,7 @@ def peak_flops(repeats: int = 5) -> float:
         w = torch.randn(1024, 768)
         p = kernel.pack_panels(w[:512].contiguous())
         cases = [(96, 1024, lambda x: kernel.linear(x, w))]
-        cases += [(rows, 512, lambda x: kernel.linear_panels(x, p, 512)) for rows in (32, 96)]
+        cases += [(rows, 512, lambda x: kernel.linear_panels(x, p, 512)) for rows in (32, 96, 256)]
         for rows, n, fn in cases:
             x = torch.randn(rows, 768)
             fn(x)
