@@ -1,7 +1,8 @@
 """Read bandwidth of y = x @ W.T on CPU for a few rows of x, by path: F.linear (MKL), W @ x.T,
-and the compiled kernel (kernels/cpu_gemm.cpp); on the projection shapes of the `small` preset, with
-weights that are not in cache (a rotation of copies larger than the last-level cache). It picks
-kernels/linear.py's switches.
+and the compiled kernels (kernels/cpu_gemm.cpp: the dot tiles reading W in place, which the
+routed experts take, and the panel tiles over a packed copy, which the dense projections take);
+on the projection shapes of the `small` preset, with weights that are not in cache (a rotation of
+copies larger than the last-level cache). It picks kernels/linear.py's switches.
 
     .venv/bin/python -m bench.linear [--threads 2]
 """
@@ -30,16 +31,23 @@ def median_s(fn, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def speeds(weights: list[torch.Tensor], x: torch.Tensor, kernel) -> dict[str, float]:
-    """GB/s of W read by each path, W taken in turn from `weights`."""
+def speeds(
+    weights: list[torch.Tensor], packed: list[torch.Tensor], x: torch.Tensor, kernel
+) -> dict[str, float]:
+    """GB/s of W read by each path, W taken in turn from `weights` (`packed`: as panels)."""
     turn = iter(range(10**9))
 
     def w() -> torch.Tensor:
         return weights[next(turn) % len(weights)]
 
+    def p() -> torch.Tensor:
+        return packed[next(turn) % len(packed)]
+
     paths = {"F.linear": lambda: F.linear(x, w()), "W @ x.T": lambda: (w() @ x.T).T}
     if kernel is not None:
-        paths["compiled kernel"] = lambda: kernel.linear(x, w())
+        n = weights[0].shape[0]
+        paths["compiled, dot tiles"] = lambda: kernel.linear(x, w())
+        paths["compiled, panels"] = lambda: kernel.linear_panels(x, p(), n)
     gb = weights[0].numel() * 4 / 1e9
     return {p: round(gb / median_s(fn), 1) for p, fn in paths.items()}
 
@@ -53,8 +61,9 @@ def main() -> None:
     result = {}
     for n, k in SHAPES:
         weights = [torch.randn(n, k) for _ in range(max(2, 300_000_000 // (n * k * 4)))]
+        packed = [kernel.pack_panels(w) for w in weights] if kernel is not None else []
         for rows in ROWS:
-            got = speeds(weights, torch.randn(rows, k), kernel)
+            got = speeds(weights, packed, torch.randn(rows, k), kernel)
             result[f"{n}x{k}, {rows} rows"] = got
             print(f"W {n}x{k}, {rows:2d} rows: {got}", flush=True)
     print(record("linear_paths", {"threads": args.threads, "read_gb_s": result}))
