@@ -37,6 +37,7 @@ from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
 from router.backend import Overloaded, Unavailable
 from router.cluster_admin import ClusterAdmin
+from router.cluster_streams import ClusterStreams
 from router.cluster_types import (
     DecodeRank,
     KVTransferFailed,
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 _ABORTED = object()  # _within: the deadline passed or the request was aborted
 
 
-class ClusterBackend(ClusterAdmin):
+class ClusterBackend(ClusterStreams, ClusterAdmin):
     def __init__(
         self,
         prefill: list[PrefillRank],
@@ -96,28 +97,6 @@ class ClusterBackend(ClusterAdmin):
         self.num_kv_rebuilds = 0
         self._started = False
 
-    # ---- lifecycle ----
-
-    async def start(self) -> None:
-        """Open the delta streams, the health watch and the lease renewal (on the server's
-        event loop)."""
-        await self._open_streams()
-        await self.pools.start()
-        self._renewer = asyncio.create_task(self._renew_forever())
-        if self.routing.eplb_interval_s > 0:
-            self._periodic = asyncio.create_task(self._rebalance_forever())
-        self._started = True
-
-    async def close(self) -> None:
-        for task in [*self._readers, self._renewer, self._periodic]:
-            if task is not None:
-                task.cancel()
-        await self.pools.close()
-        self._started = False
-
-    def ready(self) -> bool:
-        return self._started and self.pools.ready() and not any(t.done() for t in self._readers)
-
     def model_info(self) -> ModelInfo:
         return dataclasses.replace(self._model_info, max_model_len=self._max_model_len())
 
@@ -132,78 +111,6 @@ class ClusterBackend(ClusterAdmin):
     def _max_model_len(self) -> int:
         ranks = [s.max_model_len for s in self.pools.status.values() if s.max_model_len > 0]
         return min([self._model_info.max_model_len, *ranks])
-
-    # ---- pools failing and coming back ----
-
-    def _on_pool_failed(self, pool: str, generation: int) -> None:
-        """Every request placed on the failed pool's ranks resumes elsewhere (after it
-        re-forms)."""
-        for route in list(self._routes.values()):
-            on_prefill = pool == "prefill" and route.prefill is not None and not route.first
-            on_decode = pool == "decode" and route.decode is not None
-            gen = route.prefill_gen if pool == "prefill" else route.decode_gen
-            if (on_prefill or on_decode) and gen == generation and not route.done:
-                rank = route.prefill if pool == "prefill" else route.decode
-                route.queue.put_nowait(RankFailed(pool, rank, "its pool is re-forming"))
-
-    async def _on_pool_reformed(self, pool: str) -> None:
-        if self.metrics is not None:
-            self.metrics.child("epcluster_pool_reforms_total", pool).inc()
-            recovery = self.pools[pool].recovery_s
-            if recovery:
-                self.metrics.child("epcluster_pool_recovery_seconds", pool).observe(recovery[-1])
-        self._prefill_load = [0] * len(self.pools["prefill"].ranks)
-        self._decode_pending = [0] * len(self.pools["decode"].ranks)
-        if pool == "decode":
-            await self._open_streams()
-
-    async def _open_streams(self) -> None:
-        for task in self._readers:
-            task.cancel()
-        decode = self.pools["decode"]
-        lease = self.routing.kv_lease_s
-        await asyncio.gather(*(d.register_router(self.router_id, lease) for d in decode.ranks))
-        self._readers = [
-            asyncio.create_task(self._read_stream(i, d, decode.generation))
-            for i, d in enumerate(decode.ranks)
-        ]
-
-    async def _read_stream(self, i: int, rank: DecodeRank, generation: int) -> None:
-        try:
-            async for deltas in rank.stream(self.router_id):
-                for delta in deltas:
-                    route = self._routes.get(delta.request_id)
-                    if route is not None:
-                        route.queue.put_nowait(delta)
-            why = "its delta stream ended"
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            why = f"its delta stream broke: {e.why if isinstance(e, RankFailed) else e}"
-        if self.pools["decode"].generation == generation:
-            self.pools.fail("decode", i, why)
-
-    async def _renew_forever(self) -> None:
-        """Renew the leases of the reservations whose prefill runs (and of this router)."""
-        period = min(1.0, self.routing.kv_lease_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            decode = self.pools["decode"]
-            if not decode.ready.is_set():
-                continue
-            waiting: list[list[str]] = [[] for _ in decode.ranks]
-            for rid, route in self._routes.items():
-                if (
-                    route.decode is not None
-                    and not route.started
-                    and route.decode_gen == (decode.generation)
-                ):
-                    waiting[route.decode].append(rid)
-            calls = [
-                rank.renew(self.router_id, ids, self.routing.kv_lease_s)
-                for rank, ids in zip(decode.ranks, waiting, strict=True)
-            ]
-            await asyncio.gather(*calls, return_exceptions=True)  # failures: the health watch
 
     # ---- requests ----
 
@@ -365,23 +272,6 @@ class ClusterBackend(ClusterAdmin):
                 return
             route.done = delta.finished
             yield delta
-
-    def _rebuild_kv_group(self) -> None:
-        """One rebuild of the p2p KV group at a time (in the background)."""
-        control = self.pools.control
-        if control is None or (self._kv_rebuild is not None and not self._kv_rebuild.done()):
-            return
-
-        async def rebuild() -> None:
-            try:
-                await control.rebuild_kv()
-                self.num_kv_rebuilds += 1
-                if self.metrics is not None:
-                    self.metrics.child("epcluster_kv_group_rebuilds_total").inc()
-            except Exception:
-                log.exception("rebuilding the KV transport group failed")
-
-        self._kv_rebuild = asyncio.create_task(rebuild())
 
     async def _release(self, route: Route) -> None:
         """Abort the current attempt where it may still hold blocks (an unused decode
