@@ -11,6 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import ray
 from ray._private import ray_constants
 
@@ -29,6 +30,45 @@ from router.pools import HealthConfig
 from router.server import RouterServer, serve
 
 log = logging.getLogger(__name__)
+
+
+RAY_START_ATTEMPTS = 3
+
+
+def _start_local_ray(num_cpus: int) -> None:
+    """ray.init of a new local Ray on loopback. Ray gives its raylet a fixed 30 s to register
+    with its GCS and raises when a loaded machine takes longer, leaving the processes it started
+    running: those are killed and the start tried again (RAY_START_ATTEMPTS in all)."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=False,
+                configure_logging=False,
+            )
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            log.warning(
+                "Ray did not start (%s): attempt %d of %d", exc, attempt + 1, RAY_START_ATTEMPTS
+            )
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            _kill_new_children(before)
+
+
+def _kill_new_children(before: set[int], wait_s: float = 10.0) -> None:
+    """SIGKILL this process's descendants that are not in `before`, and reap them."""
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for proc in started:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(started, timeout=wait_s)
 
 
 def chat_template(checkpoint) -> str | None:
@@ -207,14 +247,7 @@ class Cluster:
             ranks = c.prefill.num_ranks + c.decode.num_ranks
             # NOTE: address "local": with none, ray.init joins the cluster a `ray start` on
             # this machine last wrote to /tmp/ray/ray_current_cluster (even a dead one).
-            ray.init(
-                address="local",
-                num_cpus=max(os.cpu_count() or 1, ranks * c.cpus_per_rank),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            _start_local_ray(num_cpus=max(os.cpu_count() or 1, ranks * c.cpus_per_rank))
         else:
             ray.init(address=c.ray_address, log_to_driver=False)
         self._owns_ray = True

@@ -149,3 +149,48 @@ def test_a_taken_metrics_port_is_a_clear_error_and_nothing_stays_up():
     while alive(ours) and time.monotonic() < end:
         time.sleep(0.5)
     assert not alive(ours), {pid: ours[pid] for pid in alive(ours)}
+
+
+def test_a_ray_start_that_times_out_is_cleaned_up_and_retried(monkeypatch):
+    """Ray's raylet gets a fixed 30 s to register; on a loaded machine ray.init raises and leaves
+    what it started running. The launcher kills those processes and tries again (faked here: an
+    init that starts a process and raises Ray's message, twice, then succeeds; and one that
+    always does, which gives up after the last attempt with Ray's error)."""
+    from cluster import launcher
+
+    started: list[subprocess.Popen] = []
+    calls: list[dict] = []
+
+    def flaky_init(fail: int):
+        def init(**kwargs):
+            calls.append(kwargs)
+            started.append(subprocess.Popen(["sleep", "300"]))
+            if len(calls) <= fail:
+                raise Exception("The current node timed out during startup. This could happen")
+
+        return init
+
+    monkeypatch.setattr(launcher.ray, "init", flaky_init(fail=2))
+    monkeypatch.setattr(launcher.ray, "shutdown", lambda: None)
+    launcher._start_local_ray(num_cpus=3)
+    assert len(calls) == launcher.RAY_START_ATTEMPTS == 3
+    assert all(c["address"] == "local" and c["num_cpus"] == 3 for c in calls)
+    # the failed attempts' processes are gone (reaped by the launcher: no status left for Popen)
+    assert [p.poll() is not None for p in started[:2]] == [True, True]
+    assert started[2].poll() is None  # the successful one's left running
+    started[2].kill()
+    started[2].wait()
+
+    calls.clear()
+    started.clear()
+    monkeypatch.setattr(launcher.ray, "init", flaky_init(fail=99))
+    with pytest.raises(Exception, match="timed out during startup"):
+        launcher._start_local_ray(num_cpus=3)
+    assert len(calls) == 3
+    assert [p.poll() is not None for p in started[:2]] == [True, True]
+    started[2].kill()
+    started[2].wait()
+
+    monkeypatch.setattr(launcher.ray, "init", lambda **kw: (_ for _ in ()).throw(ValueError("x")))
+    with pytest.raises(ValueError):  # any other error: no retry
+        launcher._start_local_ray(num_cpus=3)
