@@ -155,11 +155,31 @@ void kn_rows(const float* x, int64_t ldx, int64_t T, const float* w, int64_t ldw
   for (; t < T; ++t) kn_tile<1, V, PARTIAL>(x + t * ldx, ldx, w, ldw, K, y + t * ldy, ldy, tail);
 }
 
+template <bool PARTIAL>
+void kn_any(int vecs, const float* x, int64_t ldx, int64_t T, const float* w, int64_t ldw,
+            int64_t K, float* y, int64_t ldy, int tail) {
+  switch (vecs) {
+#define EPC_KN(v) \
+  case v: kn_rows<v, PARTIAL>(x, ldx, T, w, ldw, K, y, ldy, tail); break;
+    EPC_KN(1) EPC_KN(2) EPC_KN(3) EPC_KN(4) EPC_KN(5) EPC_KN(6) EPC_KN(7) EPC_KN(8)
+    EPC_KN(9) EPC_KN(10) EPC_KN(11) EPC_KN(12) EPC_KN(13) EPC_KN(14) EPC_KN(15) EPC_KN(16)
+#undef EPC_KN
+    default: break;
+  }
+}
+
+// Column vectors per task of per_head_gemm: 4 (tiles of 24 / 4 = 6 rows reuse each weight
+// vector) once there are rows to share them; for fewer than 4 rows, up to kWideVecs (a whole
+// 256-column head on AVX-512), so that a task streams whole contiguous rows of w: in strips of 4
+// vectors a row's 256 bytes sit a row stride apart, and for a single row (batch-1 decode) the
+// strips read W_UK at ~60% of the rate whole rows do.
+constexpr int kWideVecs = kLanes == 16 ? 16 : 8;
+
 // For each head h: y[t, h, :n] = x[t, h, :k] @ w[h], w [NH, k, n] contiguous; x and y rows at
-// h * xh + t * xt and h * yh + t * yt. Threads split (head, block of 4 column vectors).
+// h * xh + t * xt and h * yh + t * yt. Threads split (head, block of column vectors).
 void per_head_gemm(const float* w, int64_t heads, int64_t k, int64_t n, const float* x,
                    int64_t xh, int64_t xt, int64_t T, float* y, int64_t yh, int64_t yt) {
-  constexpr int kBlock = 4 * kLanes;
+  const int64_t kBlock = (T < 4 ? kWideVecs : 4) * kLanes;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -168,20 +188,10 @@ void per_head_gemm(const float* w, int64_t heads, int64_t k, int64_t n, const fl
       const int vecs = static_cast<int>((width + kLanes - 1) / kLanes);
       const int tail = static_cast<int>(width - (vecs - 1) * kLanes);
       const float* wh = w + h * k * n + n0;
-      const float* xh0 = x + h * xh;
-      float* yh0 = y + h * yh + n0;
-      const bool partial = tail < kLanes;
-      switch (vecs * 2 + partial) {
-        case 2: kn_rows<1, false>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
-        case 3: kn_rows<1, true>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
-        case 4: kn_rows<2, false>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
-        case 5: kn_rows<2, true>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
-        case 6: kn_rows<3, false>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
-        case 7: kn_rows<3, true>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
-        case 8: kn_rows<4, false>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
-        case 9: kn_rows<4, true>(xh0, xt, T, wh, n, k, yh0, yt, tail); break;
-        default: break;
-      }
+      if (tail < kLanes)
+        kn_any<true>(vecs, x + h * xh, xt, T, wh, n, k, y + h * yh + n0, yt, tail);
+      else
+        kn_any<false>(vecs, x + h * xh, xt, T, wh, n, k, y + h * yh + n0, yt, tail);
     }
   });
 }

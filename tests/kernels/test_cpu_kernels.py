@@ -281,12 +281,14 @@ def test_combine_equals_reference(kernels):
 
 
 @pytest.mark.parametrize("context_lens", [[1], [5, 33, 17], list(range(1, 31))])  # full tiles
-def test_mla_decode_equals_the_three_steps(kernels, context_lens, monkeypatch):
+@pytest.mark.parametrize("shape", [(5, 24, 8, 32, 20), (3, 40, 8, 300, 70)])  # rank: 2 blocks
+def test_mla_decode_equals_the_three_steps(kernels, context_lens, shape, monkeypatch):
     """W_UK, the paged attention and W_UV in one call equal the reference's einsum, attention,
-    einsum (q_nope a strided view, as the attention passes it)."""
+    einsum (q_nope a strided view, as the attention passes it); each query's output is the same
+    numbers alone as in the batch (fewer than 4 queries take wider column blocks)."""
     from kernels.mla_attention import mla_decode
 
-    heads, nope, rope, rank, dv = 5, 24, 8, 32, 20
+    heads, nope, rope, rank, dv = shape
     q_lat, cache, tables, lens = paged_case(context_lens, heads, rank, rope, 4, torch.float32,
                                             "cpu", seed=10)  # fmt: skip
     gen = torch.Generator().manual_seed(11)
@@ -299,6 +301,12 @@ def test_mla_decode_equals_the_three_steps(kernels, context_lens, monkeypatch):
     ref = reference(monkeypatch, mla_decode, q_nope, q_pe, cache, tables, lens, w_uk, w_uv, 0.3)
     assert got.shape == (len(context_lens), heads, dv) and not got.isnan().any()
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    w_uv_t = w_uv.transpose(1, 2).contiguous()
+    for t in range(len(context_lens)):
+        one = slice(t, t + 1)
+        alone = mla_decode(q_nope[one], q_pe[one], cache, tables[one], lens[one], w_uk, w_uv, 0.3,
+                           w_uv_t)  # fmt: skip
+        assert torch.equal(alone[0], got[t]), t
 
 
 def test_argmax_equals_torch_with_ties_and_nan(kernels):
