@@ -153,19 +153,30 @@ def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int, window: int 
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def batch_arguments(doc: str, default_name: str) -> argparse.Namespace:
+    """The command line of the decode benchmarks (this one and bench.vs_llama_cpp)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--name", default=None, help="result file name (default decode_speed_MODEL)")
+    ap.add_argument("--name", default=None, help=f"result file name (default {default_name})")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(
-        EngineConfig(model=args.model, max_num_seqs=64, max_num_batched_tokens=4096,
+    return args
+
+
+def decode_engine(model: str) -> LLMEngine:
+    """An engine for up to 64 requests of 128 + 128 tokens, no prefix caching."""
+    return LLMEngine(
+        EngineConfig(model=model, max_num_seqs=64, max_num_batched_tokens=4096,
                      enable_prefix_caching=False)
     )  # fmt: skip
+
+
+def main() -> None:
+    args = batch_arguments(__doc__, "decode_speed_MODEL")
+    engine = decode_engine(args.model)
     vocab = engine.model.config.vocab_size
     top_k = engine.model.config.num_experts_per_tok
     itemsize = engine.model.lm_head.weight.element_size()

@@ -14,7 +14,6 @@ feeds token ids, never text).
     .venv/bin/python -m bench.vs_llama_cpp [--model small] [--batches 1 8 32] [--repeats 3]
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -24,12 +23,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-import torch
-
 from bench.common import record
-from bench.decode_speed import read_bandwidth, run_batch
-from engine import EngineConfig
-from engine.llm_engine import LLMEngine
+from bench.decode_speed import batch_arguments, decode_engine, read_bandwidth, run_batch
 from moe.loader import resolve_model_path
 from moe.presets import cache_root
 
@@ -94,22 +89,12 @@ def llama_batched_bench(src: Path, gguf: Path, batch: int, threads: int) -> dict
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="small")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--name", default=None, help="result file name (default vs_llama_cpp_MODEL)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = batch_arguments(__doc__, "vs_llama_cpp_MODEL")
     root = cache_root() / "llama.cpp"
     src = build_llama_cpp(root)
     checkpoint = Path(resolve_model_path(args.model))
     gguf = convert(src, checkpoint, root / f"{checkpoint.name}-f32.gguf")
-    engine = LLMEngine(
-        EngineConfig(model=args.model, max_num_seqs=64, max_num_batched_tokens=4096,
-                     enable_prefix_caching=False)
-    )  # fmt: skip
+    engine = decode_engine(args.model)
     vocab = engine.model.config.vocab_size
     run_batch(engine, 2, vocab, seed=999)  # warm-up
     llama_batched_bench(src, gguf, 1, args.threads)  # warm-up (page cache)
