@@ -2,7 +2,9 @@
 the rest of attention, lm_head, shared experts, the gate and the rest of the forward, and
 everything outside the forward (scheduling, sampling, bookkeeping). One engine decodes
 `--batch` requests of 128 random prompt tokens; the regions are timed by wrapping the functions
-that compute them (CPU: host clocks are the compute time), over `--steps` decode steps.
+that compute them (CPU: host clocks are the compute time), over `--steps` decode steps of the
+Python layers; the same number of steps of the fused decode layers (moe/fused_decode.py) before
+them gives the step time without the layer glue (fused_layers_step_ms).
 
     .venv/bin/python -m bench.step_profile [--model small] [--batch 32] [--steps 30] [--name N]
 """
@@ -71,11 +73,18 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=64, max_num_batched_tokens=4096,
                                     enable_prefix_caching=False))  # fmt: skip
     vocab = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=args.steps + 10, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * args.steps + 10, temperature=0.0, ignore_eos=True)
     for i, (prompt, _) in enumerate(workload(args.batch, (128, 128), (1, 1), vocab, 0)):
         engine.add_request(str(i), prompt, params)
     for _ in range(3):  # the prefill, and a warm-up decode step
         engine.step()
+    # NOTE: the regions are timed around the Python layers' calls; the fused decode layers
+    # (moe/fused_decode.py: the same kernels, one call per layer) are timed whole first.
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    fused_total = (time.perf_counter() - start) / args.steps
+    engine.model.fused_decode.enabled = False
     instrument(engine)
     spent.clear()
     start = time.perf_counter()
@@ -106,6 +115,7 @@ def main() -> None:
         "steps": args.steps,
         "threads": args.threads,
         "step_ms": round(total * 1e3, 1),
+        "fused_layers_step_ms": round(fused_total * 1e3, 1),
         "regions_ms": {k: round(v * 1e3, 1) for k, v in regions.items()},
         "regions_share": {k: round(v / total, 3) for k, v in regions.items()},
     }

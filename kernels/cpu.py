@@ -26,8 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_ops.cpp")
-HEADERS = ("cpu_simd.h",)
+SOURCES = ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_ops.cpp", "cpu_decode.cpp")
+HEADERS = ("cpu_simd.h", "cpu_kernels.h")
 FLAGS = {
     "AVX512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"],
     "AVX2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],

@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -303,28 +304,6 @@ torch::Tensor mlp_panels(const torch::Tensor& x, const torch::Tensor& p13, const
   return out;
 }
 
-torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& cache,
-                                  const torch::Tensor& tables, const torch::Tensor& lens,
-                                  double scale, int64_t rank);
-
-torch::Tensor mla_decode(const torch::Tensor& q_nope, const torch::Tensor& q_pe,
-                         const torch::Tensor& cache, const torch::Tensor& tables,
-                         const torch::Tensor& lens, const torch::Tensor& w_uk,
-                         const torch::Tensor& w_uv_t, double scale);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                     bool interleaved);
-std::vector<torch::Tensor> grouped_topk(const torch::Tensor& logits, int64_t top_k, int64_t scoring,
-                                        int64_t method, int64_t n_group, int64_t topk_group,
-                                        bool norm, double scaling,
-                                        const c10::optional<torch::Tensor>& bias);
-torch::Tensor combine(const torch::Tensor& rows, const torch::Tensor& send_order,
-                      const torch::Tensor& weights);
-torch::Tensor argmax_rows(const torch::Tensor& x);
-void write_rows(torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows);
-std::vector<torch::Tensor> local_dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx,
-                                          const torch::Tensor& log2slot, int64_t num_slots);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode", &mla_decode,
         "absorbed MLA decode: W_UK, attention over the paged cache, W_UV, in one call (fp32)");
@@ -343,4 +322,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_attention", &paged_mla_attention,
         "absorbed MLA attention over a paged latent cache, one row of heads per query (fp32)");
   m.attr("lanes") = kLanes;
+  bind_decode(m);
 }

@@ -20,6 +20,7 @@ from kernels.rotary import rope_cos_sin
 from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
 from moe.dispatch import CommStats
+from moe.fused_decode import FusedDecode
 from moe.layers import MLP, MoE, RMSNorm
 from moe.overlap import Stages, run_to_end
 from moe.rope import rope_inv_freq
@@ -84,6 +85,7 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.fused_decode = FusedDecode(self)  # set .enabled False for the Python layers
 
     def init_buffers(self) -> None:
         """Recompute the non-persistent buffers (after building on the meta device)."""
@@ -139,6 +141,9 @@ class DeepseekForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)  # [T, D]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)
+        fused = self.fused_decode.layers(x, kv)
+        if fused is not None:  # one compiled call per layer, the same numbers
+            return self.model.norm(self.fused_decode.run(fused, x, cos, sin, kv))
         for layer in self.model.layers:
             x = yield from layer.stages(x, cos, sin, seq_lens, kv)
         return self.model.norm(x)

@@ -1,0 +1,136 @@
+"""A decode step's decoder layers in one call each on CPU (kernels/cpu_decode.cpp DecodeLayer):
+the kernels of the Python layer code (moe/model.py DecoderLayer.stages), in its order, on the
+same tensors, so the numbers are bit for bit the same, without the ~2 ms of Python and torch
+glue a batch-1 step of `small` spent between its ~134 kernel calls.
+
+It serves a step when the compiled CPU kernels run it (fp32 CPU tensors, EPCLUSTER_KERNELS
+auto), every query takes the absorbed path (decode, short chunks over a cached prefix), and
+every MoE layer's dispatcher is a LocalDispatcher holding every expert (no expert parallelism:
+an all-to-all needs the Python stages, which yield while rows travel); otherwise, or with
+`enabled` False, the Python layers run. The layer objects are built on first use and again when
+an MoE layer's dispatcher or expert weights change (the balancer swaps in new storage).
+"""
+
+import torch
+
+from kernels.backend import use_cpu_kernel
+from kernels.cpu import cpu_kernels
+from kernels.gate import SCORING_FUNCS, TOPK_METHODS
+from kernels.linear import panels
+from moe.attention import MLAttention, PagedKV
+from moe.dispatch import LocalDispatcher
+from moe.layers import MLP, Experts, MoE
+
+
+class FusedDecode:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model  # DeepseekForCausalLM
+        self.enabled = True
+        self._layers: list | None = None  # [(DecodeLayer, its MoE or None)]
+        self._key: tuple | None = None
+
+    def _state(self) -> tuple | None:
+        """What the built layers depend on that can change after loading (None: not fusable)."""
+        key = []
+        for layer in self.model.model.layers:
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                if type(mlp.dispatcher) is not LocalDispatcher or type(mlp.experts) is not Experts:
+                    return None
+                key += [id(mlp.dispatcher), mlp.experts.w13.data_ptr(), mlp.experts.w2.data_ptr()]
+        return tuple(key)
+
+    def layers(self, x: torch.Tensor, kv: PagedKV | None) -> list | None:
+        """The fused layers for a step over x [T, D] and kv, or None (the Python layers run)."""
+        if not self.enabled or kv is None or not kv.all_absorbed or not use_cpu_kernel(x):
+            return None
+        key = self._state()
+        if key is None:
+            return None
+        if key != self._key:
+            self._layers = self._build()
+            self._key = key
+        return self._layers
+
+    def _build(self) -> list | None:
+        built = []
+        for layer in self.model.model.layers:
+            fused = _decode_layer(layer)
+            if fused is None:
+                return None
+            built.append((fused, layer.mlp if isinstance(layer.mlp, MoE) else None))
+        return built
+
+    def run(
+        self, layers: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV
+    ) -> torch.Tensor:
+        """x [T, D] through every layer -> [T, D] (before the final norm); the MoE layers' load
+        and row counts as their dispatchers would count them."""
+        slots, tables, lens = kv.slot_mapping, kv.absorbed_tables, kv.absorbed_lens
+        cos, sin = cos.contiguous(), sin.contiguous()
+        for (fused, moe), cache in zip(layers, kv.kv_caches):
+            x, counts = fused.forward(x, cos, sin, cache, slots, tables, lens)
+            if moe is not None:
+                d = moe.dispatcher
+                d.load = counts if d.load is None else d.load + counts
+                d.stats.rows += x.shape[0] * moe.gate.config.num_experts_per_tok
+        return x
+
+
+def _fp32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def _decode_layer(layer: torch.nn.Module):
+    """A DecodeLayer for a DecoderLayer, or None when one of its weights cannot take it (not
+    fp32 and contiguous, not prepared: see DeepseekForCausalLM.prepare)."""
+    attn: MLAttention = layer.self_attn
+    c = attn.config
+    if attn.w_in is None or attn.w_uk is None or attn.w_uv_t is None:
+        return None
+    d = cpu_kernels().DecodeLayer()
+    d.input_norm = layer.input_layernorm.weight.detach()
+    d.post_norm = layer.post_attention_layernorm.weight.detach()
+    d.kv_norm = attn.kv_a_layernorm.weight.detach()
+    weights = [d.input_norm, d.post_norm, d.kv_norm, attn.w_in, attn.w_uk, attn.w_uv_t]
+    weights.append(attn.o_proj.weight)
+    d.w_in, d.w_in_rows = panels(attn.w_in), attn.w_in.shape[0]
+    if c.q_lora_rank is not None:
+        d.q_norm = attn.q_a_layernorm.weight.detach()
+        d.q_b, d.q_b_rows = panels(attn.q_b_proj.weight), attn.q_b_proj.weight.shape[0]
+        weights += [d.q_norm, attn.q_b_proj.weight]
+    d.w_uk, d.w_uv_t = attn.w_uk, attn.w_uv_t
+    d.o_proj = panels(attn.o_proj.weight)
+    d.heads, d.nope, d.rope = attn.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+    d.rank = c.kv_lora_rank
+    d.interleave, d.scale, d.eps = c.rope_interleave, attn.scale, c.rms_norm_eps
+    mlp = layer.mlp
+    dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp
+    if dense is not None:
+        assert isinstance(dense, MLP)
+        if dense.w13 is None:
+            return None
+        d.mlp_w13, d.mlp_w2 = panels(dense.w13), panels(dense.down_proj.weight)
+        d.mlp_inter = dense.down_proj.weight.shape[1]
+        weights += [dense.w13, dense.down_proj.weight]
+    if isinstance(mlp, MoE):
+        gate, experts, dispatcher = mlp.gate, mlp.experts, mlp.dispatcher
+        log2slot = dispatcher._log2slot
+        if log2slot.device.type != "cpu" or bool((log2slot < 0).any()):
+            return None  # a subset of the experts: the Python path raises, naming them
+        d.moe = True
+        d.gate = gate.weight.detach()
+        bias = gate.e_score_correction_bias
+        d.gate_bias = None if bias is None else bias.detach()
+        d.top_k, d.n_group, d.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
+        d.scoring = SCORING_FUNCS.index(c.scoring_func)
+        d.method = TOPK_METHODS.index(c.topk_method)
+        d.norm_topk, d.routed_scale = c.norm_topk_prob, c.routed_scaling_factor
+        d.w13, d.w2 = experts.w13.detach(), experts.w2.detach()
+        d.log2slot, d.slots = log2slot, len(dispatcher.expert_ids)
+        weights += [d.gate, d.w13, d.w2]
+        if c.n_routed_experts > 256:
+            return None  # the compiled gate's limit
+    if not _fp32(*weights):
+        return None
+    return d
