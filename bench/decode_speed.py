@@ -161,22 +161,27 @@ def batch_arguments(doc: str, default_name: str) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--name", default=None, help=f"result file name (default {default_name})")
+    ap.add_argument("--python-layers", action="store_true",
+                    help="the Python decoder layers, not the fused ones (moe/fused_decode.py)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     return args
 
 
-def decode_engine(model: str) -> LLMEngine:
-    """An engine for up to 64 requests of 128 + 128 tokens, no prefix caching."""
-    return LLMEngine(
+def decode_engine(model: str, python_layers: bool = False) -> LLMEngine:
+    """An engine for up to 64 requests of 128 + 128 tokens, no prefix caching (python_layers:
+    the fused decode layers off)."""
+    engine = LLMEngine(
         EngineConfig(model=model, max_num_seqs=64, max_num_batched_tokens=4096,
                      enable_prefix_caching=False)
     )  # fmt: skip
+    engine.model.fused_decode.enabled = not python_layers
+    return engine
 
 
 def main() -> None:
     args = batch_arguments(__doc__, "decode_speed_MODEL")
-    engine = decode_engine(args.model)
+    engine = decode_engine(args.model, args.python_layers)
     vocab = engine.model.config.vocab_size
     top_k = engine.model.config.num_experts_per_tok
     itemsize = engine.model.lm_head.weight.element_size()
@@ -240,6 +245,7 @@ def main() -> None:
     result = {
         "model": args.model,
         "threads": args.threads,
+        "fused_decode_layers": not args.python_layers,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "read_bandwidths_measured_gb_s": [round(b / 1e9, 1) for b in bandwidths],
         "peak_fp32_gflop_s": round(peak / 1e9, 1),

@@ -94,7 +94,7 @@ def main() -> None:
     src = build_llama_cpp(root)
     checkpoint = Path(resolve_model_path(args.model))
     gguf = convert(src, checkpoint, root / f"{checkpoint.name}-f32.gguf")
-    engine = decode_engine(args.model)
+    engine = decode_engine(args.model, args.python_layers)
     vocab = engine.model.config.vocab_size
     run_batch(engine, 2, vocab, seed=999)  # warm-up
     llama_batched_bench(src, gguf, 1, args.threads)  # warm-up (page cache)
@@ -137,6 +137,7 @@ def main() -> None:
     result = {
         "model": args.model,
         "threads": args.threads,
+        "fused_decode_layers": not args.python_layers,
         "llama_cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist's llama.cpp, GGUF F32, "
         "llama-batched-bench defaults (f16 KV cache, flash attention auto)",
         "batches": rows,

@@ -44,16 +44,17 @@ struct DecodeLayer {
   torch::Tensor log2slot;  // [E] int64, every expert held
   int64_t slots = 0;
 
-  // x [T, D] -> (x after the layer [T, D], rows routed to each expert slot [S] int64: empty in
-  // a dense layer). cos, sin [T, Dr/2]; the cache [NB, BS, C] takes the step's latents at
-  // slot_mapping [T]; tables [T, M], lens [T]: each query's block table and keys.
-  std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                     const torch::Tensor& sin, torch::Tensor& cache,
-                                     const torch::Tensor& slot_mapping,
-                                     const torch::Tensor& tables, const torch::Tensor& lens) const {
+  // The attention half: x [T, D] -> (x + attention [T, D], its post-attention norm [T, D]).
+  // cos, sin [T, Dr/2]; the cache [NB, BS, C] takes the step's latents at slot_mapping [T];
+  // tables [T, M], lens [T]: each query's block table and keys.
+  std::vector<torch::Tensor> attention(const torch::Tensor& x, const torch::Tensor& cos,
+                                       const torch::Tensor& sin, torch::Tensor& cache,
+                                       const torch::Tensor& slot_mapping,
+                                       const torch::Tensor& tables,
+                                       const torch::Tensor& lens) const {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x [T, D] contiguous, got ", x.sizes());
     const int64_t T = x.size(0), C = rank + rope;
-    // attention: input norm, the fused input projection, q LoRA, rotary, the latent
+    // input norm, the fused input projection, q LoRA, rotary, the latent
     const torch::Tensor qkv = ::linear_panels(::rms_norm(x, input_norm, eps), w_in, w_in_rows);
     const int64_t q_width = w_in_rows - C;
     torch::Tensor q = qkv.narrow(1, 0, q_width);
@@ -63,18 +64,30 @@ struct DecodeLayer {
     const torch::Tensor q_nope = q.narrow(2, 0, nope);
     const torch::Tensor q_pe = ::rotary(q.narrow(2, nope, rope), cos, sin, interleave);
     const torch::Tensor k_pe = ::rotary(kv_a.narrow(1, rank, rope), cos, sin, interleave);
-    const torch::Tensor latent = torch::cat({::rms_norm(kv_a.narrow(1, 0, rank), kv_norm, eps), k_pe},
-                                            1);  // [T, C]
+    const torch::Tensor latent =
+        torch::cat({::rms_norm(kv_a.narrow(1, 0, rank), kv_norm, eps), k_pe}, 1);  // [T, C]
     ::write_rows(cache, slot_mapping, latent);
     const torch::Tensor attn = ::mla_decode(q_nope, q_pe, cache, tables, lens, w_uk, w_uv_t, scale);
-    const torch::Tensor h1 = x + ::linear_panels(attn.view({T, heads * attn.size(2)}), o_proj,
-                                               x.size(1));
-    const torch::Tensor h = ::rms_norm(h1, post_norm, eps);
+    const torch::Tensor h1 =
+        x + ::linear_panels(attn.view({T, heads * attn.size(2)}), o_proj, x.size(1));
+    return {h1, ::rms_norm(h1, post_norm, eps)};
+  }
+
+  // The whole layer: x [T, D] -> (x after the layer [T, D], rows routed to each expert slot
+  // [S] int64: undefined in a dense layer); the arguments as attention's. An MoE layer needs
+  // its routed experts here (w13, w2, log2slot: every expert held).
+  std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                     const torch::Tensor& sin, torch::Tensor& cache,
+                                     const torch::Tensor& slot_mapping,
+                                     const torch::Tensor& tables, const torch::Tensor& lens) const {
+    const auto a = attention(x, cos, sin, cache, slot_mapping, tables, lens);
+    const torch::Tensor &h1 = a[0], &h = a[1];
     if (!moe) return {h1 + ::mlp_panels(h, mlp_w13, mlp_w2, mlp_inter), torch::Tensor()};
-    // MoE: the gate, the dispatch to local slots, the shared expert, the routed experts, combine
+    TORCH_CHECK(w13.defined() && log2slot.defined(), "an MoE layer without its routed experts");
+    // the gate, the dispatch to local slots, the shared expert, the routed experts, combine
     const torch::Tensor logits = ::linear(h, gate);
-    const auto topk = ::grouped_topk(logits, top_k, scoring, method, n_group, topk_group, norm_topk,
-                                   routed_scale, gate_bias);
+    const auto topk = ::grouped_topk(logits, top_k, scoring, method, n_group, topk_group,
+                                     norm_topk, routed_scale, gate_bias);
     const auto sent = ::local_dispatch(h, topk[1], log2slot, slots);  // order, rows, counts
     TORCH_CHECK(sent[0].numel() == topk[1].numel(),
                 "tokens were routed to an expert this rank does not hold");
@@ -131,5 +144,7 @@ void bind_decode(pybind11::module& m) {
       .def_readwrite("w2", &DecodeLayer::w2)
       .def_readwrite("log2slot", &DecodeLayer::log2slot)
       .def_readwrite("slots", &DecodeLayer::slots)
+      .def("attention", &DecodeLayer::attention,
+           "x [T, D] -> (x + attention, its post-attention norm)")
       .def("forward", &DecodeLayer::forward, "x [T, D] -> (x after the layer, slot counts)");
 }

@@ -4,11 +4,12 @@ same tensors, so the numbers are bit for bit the same, without the ~2 ms of Pyth
 glue a batch-1 step of `small` spent between its ~134 kernel calls.
 
 It serves a step when the compiled CPU kernels run it (fp32 CPU tensors, EPCLUSTER_KERNELS
-auto), every query takes the absorbed path (decode, short chunks over a cached prefix), and
-every MoE layer's dispatcher is a LocalDispatcher holding every expert (no expert parallelism:
-an all-to-all needs the Python stages, which yield while rows travel); otherwise, or with
-`enabled` False, the Python layers run. The layer objects are built on first use and again when
-an MoE layer's dispatcher or expert weights change (the balancer swaps in new storage).
+auto) and every query takes the absorbed path (decode, short chunks over a cached prefix);
+otherwise, or with `enabled` False, the Python layers run. A dense layer, and an MoE layer whose
+dispatcher is a LocalDispatcher holding every expert, run whole; an expert-parallel MoE layer
+runs its attention half in one call and its MoE block in Python (the stages yield while its rows
+travel, as the Python layers do). The layer objects are built on first use and again when an
+MoE layer's dispatcher or expert weights change (the balancer swaps in new storage).
 """
 
 import torch
@@ -20,24 +21,25 @@ from kernels.linear import panels
 from moe.attention import MLAttention, PagedKV
 from moe.dispatch import LocalDispatcher
 from moe.layers import MLP, Experts, MoE
+from moe.overlap import Stages
 
 
 class FusedDecode:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model  # DeepseekForCausalLM
         self.enabled = True
-        self._layers: list | None = None  # [(DecodeLayer, its MoE or None)]
+        self._layers: list | None = None  # [(DecodeLayer, its MoE or None, whole layer)]
         self._key: tuple | None = None
 
-    def _state(self) -> tuple | None:
-        """What the built layers depend on that can change after loading (None: not fusable)."""
+    def _state(self) -> tuple:
+        """What the built layers depend on that can change after loading."""
         key = []
         for layer in self.model.model.layers:
             mlp = layer.mlp
             if isinstance(mlp, MoE):
-                if type(mlp.dispatcher) is not LocalDispatcher or type(mlp.experts) is not Experts:
-                    return None
-                key += [id(mlp.dispatcher), mlp.experts.w13.data_ptr(), mlp.experts.w2.data_ptr()]
+                experts = mlp.experts
+                key += [id(mlp.dispatcher), id(experts), experts.w13.data_ptr()]
+                key.append(experts.w2.data_ptr())
         return tuple(key)
 
     def layers(self, x: torch.Tensor, kv: PagedKV | None) -> list | None:
@@ -45,8 +47,6 @@ class FusedDecode:
         if not self.enabled or kv is None or not kv.all_absorbed or not use_cpu_kernel(x):
             return None
         key = self._state()
-        if key is None:
-            return None
         if key != self._key:
             self._layers = self._build()
             self._key = key
@@ -58,27 +58,52 @@ class FusedDecode:
             fused = _decode_layer(layer)
             if fused is None:
                 return None
-            built.append((fused, layer.mlp if isinstance(layer.mlp, MoE) else None))
+            moe = layer.mlp if isinstance(layer.mlp, MoE) else None
+            built.append((fused, moe, moe is None or fused.moe))
         return built
 
-    def run(
+    def stages(
         self, layers: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV
-    ) -> torch.Tensor:
-        """x [T, D] through every layer -> [T, D] (before the final norm); the MoE layers' load
-        and row counts as their dispatchers would count them."""
+    ) -> Stages[torch.Tensor]:
+        """x [T, D] through every layer -> [T, D] (before the final norm), yielding while an
+        expert-parallel MoE layer's rows travel; the local MoE layers' load and row counts as
+        their dispatchers would count them."""
         slots, tables, lens = kv.slot_mapping, kv.absorbed_tables, kv.absorbed_lens
         cos, sin = cos.contiguous(), sin.contiguous()
-        for (fused, moe), cache in zip(layers, kv.kv_caches):
-            x, counts = fused.forward(x, cos, sin, cache, slots, tables, lens)
-            if moe is not None:
-                d = moe.dispatcher
-                d.load = counts if d.load is None else d.load + counts
-                d.stats.rows += x.shape[0] * moe.gate.config.num_experts_per_tok
+        for (fused, moe, whole), cache in zip(layers, kv.kv_caches):
+            if whole:
+                x, counts = fused.forward(x, cos, sin, cache, slots, tables, lens)
+                if moe is not None:
+                    d = moe.dispatcher
+                    d.load = counts if d.load is None else d.load + counts
+                    d.stats.rows += x.shape[0] * moe.gate.config.num_experts_per_tok
+            else:
+                h1, h = fused.attention(x, cos, sin, cache, slots, tables, lens)
+                x = h1 + (yield from moe.stages(h))
         return x
 
 
 def _fp32(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def _local(moe: MoE) -> bool:
+    """Whether the MoE block can run in the compiled layer: this rank holds every expert (a
+    LocalDispatcher), as plain Experts, its weights fp32, and the compiled gate takes the
+    expert count."""
+    d = moe.dispatcher
+    if type(d) is not LocalDispatcher or type(moe.experts) is not Experts:
+        return False
+    weights = [moe.gate.weight, moe.experts.w13, moe.experts.w2]
+    if moe.shared_experts is not None:
+        if moe.shared_experts.w13 is None:
+            return False
+        weights += [moe.shared_experts.w13, moe.shared_experts.down_proj.weight]
+    if not _fp32(*weights):
+        return False
+    if d._log2slot.device.type != "cpu" or bool((d._log2slot < 0).any()):
+        return False  # a subset of the experts: the Python path raises, naming them
+    return moe.gate.config.n_routed_experts <= 256
 
 
 def _decode_layer(layer: torch.nn.Module):
@@ -106,18 +131,15 @@ def _decode_layer(layer: torch.nn.Module):
     d.interleave, d.scale, d.eps = c.rope_interleave, attn.scale, c.rms_norm_eps
     mlp = layer.mlp
     dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp
-    if dense is not None:
+    if dense is not None and (not isinstance(mlp, MoE) or _local(mlp)):
         assert isinstance(dense, MLP)
         if dense.w13 is None:
             return None
         d.mlp_w13, d.mlp_w2 = panels(dense.w13), panels(dense.down_proj.weight)
         d.mlp_inter = dense.down_proj.weight.shape[1]
         weights += [dense.w13, dense.down_proj.weight]
-    if isinstance(mlp, MoE):
+    if isinstance(mlp, MoE) and _local(mlp):  # else the MoE block runs in Python
         gate, experts, dispatcher = mlp.gate, mlp.experts, mlp.dispatcher
-        log2slot = dispatcher._log2slot
-        if log2slot.device.type != "cpu" or bool((log2slot < 0).any()):
-            return None  # a subset of the experts: the Python path raises, naming them
         d.moe = True
         d.gate = gate.weight.detach()
         bias = gate.e_score_correction_bias
@@ -127,10 +149,8 @@ def _decode_layer(layer: torch.nn.Module):
         d.method = TOPK_METHODS.index(c.topk_method)
         d.norm_topk, d.routed_scale = c.norm_topk_prob, c.routed_scaling_factor
         d.w13, d.w2 = experts.w13.detach(), experts.w2.detach()
-        d.log2slot, d.slots = log2slot, len(dispatcher.expert_ids)
+        d.log2slot, d.slots = dispatcher._log2slot, len(dispatcher.expert_ids)
         weights += [d.gate, d.w13, d.w2]
-        if c.n_routed_experts > 256:
-            return None  # the compiled gate's limit
     if not _fp32(*weights):
         return None
     return d

@@ -143,7 +143,8 @@ class DeepseekForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)
         fused = self.fused_decode.layers(x, kv)
         if fused is not None:  # one compiled call per layer, the same numbers
-            return self.model.norm(self.fused_decode.run(fused, x, cos, sin, kv))
+            x = yield from self.fused_decode.stages(fused, x, cos, sin, kv)
+            return self.model.norm(x)
         for layer in self.model.layers:
             x = yield from layer.stages(x, cos, sin, seq_lens, kv)
         return self.model.norm(x)

@@ -8,7 +8,7 @@ import torch
 from kernels.cpu import cpu_kernels
 from moe import load_model
 from moe.attention import PagedKV
-from moe.dispatch import CommStats
+from moe.dispatch import CommStats, LocalDispatcher
 from tests.hf_oracle import make_hf_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels did not build")
@@ -71,7 +71,25 @@ class Run:
         return hidden
 
 
-def test_fused_layers_equal_the_python_layers_bit_for_bit(model):
+class PythonMoE(LocalDispatcher):
+    """A dispatcher the fused layers do not take as local (as an expert-parallel one): its MoE
+    blocks run in Python between the compiled attention halves."""
+
+
+@pytest.fixture(params=["whole layers", "MoE blocks in Python"])
+def dispatch(request, model):
+    if request.param == "whole layers":
+        yield request.param
+        return
+    saved = [moe.dispatcher for moe in model.moe_layers()]
+    for moe in model.moe_layers():
+        moe.dispatcher = PythonMoE(moe.experts.expert_ids, model.config.n_routed_experts)
+    yield request.param
+    for moe, dispatcher in zip(model.moe_layers(), saved):
+        moe.dispatcher = dispatcher
+
+
+def test_fused_layers_equal_the_python_layers_bit_for_bit(model, dispatch):
     c = model.config
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, c.vocab_size, (n,), generator=gen).tolist() for n in (6, 1, 70)]
@@ -96,6 +114,9 @@ def test_fused_layers_equal_the_python_layers_bit_for_bit(model):
             if step == 0:
                 run.seqs[0] += [7, 8]
     assert runs[True].fused_steps == 8 and runs[False].fused_steps == 0
+    whole = [w for _, _, w in model.fused_decode._layers]
+    num_dense = c.num_hidden_layers - len(model.moe_layers())
+    assert whole == [True] * num_dense + [dispatch == "whole layers"] * len(model.moe_layers())
     assert runs[True].stats.rows == runs[False].stats.rows > 0
     total = sum(int(load.sum()) for load in runs[True].loads.values())
     # every token of every step routed top-k times in each MoE layer
