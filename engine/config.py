@@ -25,6 +25,11 @@ class EngineConfig:
     two_batch_overlap: str = "auto"
     tbo_min_tokens: int = 32
     metrics: bool = True  # count what the rank's /metrics exports (bench/metrics_overhead.py)
+    # Decode steps replayed from CUDA graphs (engine/decode_graphs.py), one per batch-size
+    # bucket up to cuda_graph_max_batch, captured when the engine starts: CUDA devices, no
+    # expert parallelism.
+    cuda_graph: bool = False
+    cuda_graph_max_batch: int = 32
     # Live expert load balancing (engine/balancer.py), in expert-parallel pools:
     eplb_min_gain: float = 0.05  # skip a rebalance that lowers the max rank load by less
     eplb_max_moves: int = 0  # slots per layer one rebalance may change (0: any)
@@ -52,6 +57,13 @@ class EngineConfig:
         need(self.eplb_max_moves >= 0, "eplb_max_moves", "must be >= 0")
         need(self.eplb_layers_per_round >= 0, "eplb_layers_per_round", "must be >= 0")
         need(0 <= self.eplb_decay <= 1, "eplb_decay", "must be in [0, 1]")
+        need(
+            not self.cuda_graph or self.device.startswith("cuda"),
+            "cuda_graph",
+            f"CUDA graphs need device cuda, this engine runs on {self.device!r}: set cuda_graph "
+            "false",
+        )
+        need(self.cuda_graph_max_batch >= 1, "cuda_graph_max_batch", "must be >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:

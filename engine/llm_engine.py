@@ -88,6 +88,8 @@ class LLMEngine:
             self.balancer = Balancer(
                 self.model, placement, ep_group, moves_group, rank, config, self.stats
             )
+        if config.cuda_graph:
+            self.runner.enable_graphs(self.max_model_len)
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode), lifetime

@@ -4,6 +4,8 @@ Legend (kernels/__init__.py): T tokens in the step, B requests, D hidden, V voca
 NB cache blocks, BS block size, C latent width.
 """
 
+import logging
+
 import torch
 
 from engine.config import EngineConfig
@@ -13,6 +15,8 @@ from kernels.cpu import cpu_kernels
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
 from moe.overlap import Stages, run_interleaved
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -32,6 +36,7 @@ class ModelRunner:
                 f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {bytes_per_block} bytes"
             )
         self.num_split_steps = 0  # steps run as two micro-batches (two-batch overlap)
+        self.graphs = None  # DecodeGraphs (enable_graphs)
         # NOTE: zeros, not empty: attention masks rows past a sequence's end, but a NaN there
         # would still poison the sum.
         self.kv_caches = [
@@ -44,6 +49,25 @@ class ModelRunner:
             )
             for _ in range(c.num_hidden_layers)
         ]  # L x [NB, BS, C]
+
+    def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """Run decode steps through DecodeGraphs (engine/decode_graphs.py): one more cache
+        block for its padding rows, then (capture) a CUDA graph per batch-size bucket."""
+        from engine.decode_graphs import DecodeGraphs
+
+        for i, cache in enumerate(self.kv_caches):  # NOTE: in place: others hold the list
+            self.kv_caches[i] = torch.cat([cache, torch.zeros_like(cache[:1])])
+        max_blocks = -(-max_model_len // self.config.block_size)
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.config.block_size, max_blocks,
+            self.config.cuda_graph_max_batch, capture,
+        )  # fmt: skip
+        if not self.graphs.experts_local():
+            log.warning(
+                "cuda_graph: this rank shares its experts (expert parallelism), whose all-to-all "
+                "reads counts on the host: decode steps run eagerly"
+            )
+        self.graphs.capture_all()
 
     def prepare(
         self, requests: list[Request], num_new: list[int]
@@ -101,7 +125,10 @@ class ModelRunner:
     ) -> SampleOutput | None:
         """Compute the step; sample for requests whose prompt is complete after it (in order of
         `requests`, skipping unfinished prefill chunks). None if nobody samples."""
-        hidden = self.forward(requests, num_new, split)  # [T, D]
+        if self.graphs is not None and not split and self.graphs.serves(requests, num_new):
+            hidden = self.graphs.run(requests)  # [B, D]
+        else:
+            hidden = self.forward(requests, num_new, split)  # [T, D]
         if not requests:
             return None
         last = torch.tensor(num_new).cumsum(0) - 1  # [B] index of each request's last token

@@ -39,7 +39,7 @@ def dense_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Ten
 
 
 def grouped_expert_mlp(
-    x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor, counts: list[int] | torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     """Run expert MLPs over rows sorted by expert slot.
 
@@ -50,6 +50,8 @@ def grouped_expert_mlp(
     """
     if use_triton(x):
         return grouped_expert_mlp_triton(x, counts, w13, w2)
+    if isinstance(counts, torch.Tensor):  # the host paths walk the slots (a read back)
+        counts = counts.tolist()
     if use_cpu_kernel(x) and w13.dtype == w2.dtype == torch.float32:
         return cpu_kernels().grouped_mlp(x.contiguous(), counts, w13.contiguous(), w2.contiguous())
     return grouped_expert_mlp_ref(x, counts, w13, w2)

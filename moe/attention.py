@@ -65,6 +65,27 @@ class PagedKV:
         self.all_absorbed = not prefill
         self.prefill_seqs = prefill
 
+    @classmethod
+    def decode(
+        cls,
+        kv_caches: list[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> "PagedKV":
+        """A decode-only batch (one new token per sequence) whose absorbed-path tensors are the
+        given ones, not copies: block_tables [B, M] and context_lens [B] int64, on the model's
+        device. For static buffers that a CUDA graph reads (engine/decode_graphs.py): writing
+        new values into them changes what the next replay computes."""
+        kv = cls.__new__(cls)
+        num = block_tables.shape[0]
+        kv.kv_caches, kv.slot_mapping, kv.block_tables = kv_caches, slot_mapping, block_tables
+        kv.query_lens, kv.context_lens, kv.absorb = [1] * num, [], True
+        kv.absorbed_tokens = torch.arange(num, device=block_tables.device)
+        kv.absorbed_lens, kv.absorbed_tables = context_lens, block_tables
+        kv.all_absorbed, kv.prefill_seqs = True, []
+        return kv
+
 
 class MLAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from kernels.backend import use_cpu_kernel
+from kernels.backend import use_cpu_kernel, use_triton
 from kernels.cpu import cpu_kernels
 from moe.placement import Placement
 
@@ -61,7 +61,8 @@ class DispatchHandle:
     send_order: torch.Tensor  # [T * K]: the (token * K + k) index of each sent row
     send_x: torch.Tensor  # [T * K, D] rows in send order
     recv_x: torch.Tensor | None = field(default=None, repr=False)  # [N, D] grouped by slot
-    recv_counts: list[int] = field(default_factory=list)  # [S_r] rows per local slot
+    # [S_r] rows per local slot (a LocalDispatcher on a GPU: a device tensor, never read back)
+    recv_counts: list[int] | torch.Tensor = field(default_factory=list)
     # all-to-all only:
     group: dist.ProcessGroup | None = None
     num_ranks: int = 1
@@ -172,6 +173,13 @@ class LocalDispatcher:
         for slot in reversed(range(len(self.expert_ids))):
             log2slot[self.expert_ids[slot]] = slot
         self._log2slot = log2slot
+        # NOTE: holding every expert, no token can miss one: dispatch then reads nothing back
+        # on the host (a device sync per layer on GPUs, and none may happen in a CUDA graph).
+        self._holds_all = bool((log2slot >= 0).all())
+        # False while engine/decode_graphs.py runs the layers: it counts the load itself from
+        # last_topk_idx, leaving out its padding rows.
+        self.count_load = True
+        self.last_topk_idx: torch.Tensor | None = None  # [T, K] of the last dispatch
 
     @property
     def slot_experts(self) -> list[int]:
@@ -188,6 +196,7 @@ class LocalDispatcher:
         """x [T, D], topk_idx [T, K] int64 logical experts, topk_weights [T, K] fp32 -> a ready
         handle: recv_x [T * K, D] sorted by local slot, recv_counts [S_r]."""
         _check_routing(x, topk_idx, topk_weights)
+        self.last_topk_idx = topk_idx
         if self._log2slot.device != topk_idx.device:
             self._log2slot = self._log2slot.to(topk_idx.device)
         top_k = topk_idx.shape[1]
@@ -198,7 +207,7 @@ class LocalDispatcher:
             if send_order.numel() == topk_idx.numel():
                 return self._handle(topk_weights, send_order, rows, counts_t)
         slots = self._log2slot[topk_idx.reshape(-1)]  # [T * K]
-        if not bool((slots >= 0).all()):
+        if not self._holds_all and not bool((slots >= 0).all()):
             missing = sorted(set(topk_idx.reshape(-1)[slots < 0].tolist()))
             raise RuntimeError(
                 f"tokens were routed to experts {missing} that this rank does not hold: a model "
@@ -206,7 +215,7 @@ class LocalDispatcher:
             )
         send_order = torch.argsort(slots, stable=True)  # [T * K]
         rows = x[send_order // top_k]  # [T * K, D]
-        counts_t = torch.bincount(slots, minlength=len(self.expert_ids))  # [S_r]
+        counts_t = slot_counts(slots, len(self.expert_ids))  # [S_r]
         return self._handle(topk_weights, send_order, rows, counts_t)
 
     def _handle(
@@ -216,9 +225,12 @@ class LocalDispatcher:
         rows: torch.Tensor,
         counts_t: torch.Tensor,
     ) -> DispatchHandle:
-        self.load = counts_t if self.load is None else self.load + counts_t
-        self.stats.rows += rows.shape[0]
-        counts = counts_t.tolist()
+        if self.count_load:
+            self.load = counts_t if self.load is None else self.load + counts_t
+            self.stats.rows += rows.shape[0]
+        # NOTE: for the Triton grouped GEMM the counts stay a tensor: it reads them on the
+        # device (no sync, and a CUDA graph can hold the step)
+        counts = counts_t if use_triton(rows) else counts_t.tolist()
         return DispatchHandle(topk_weights, send_order, rows, recv_x=rows, recv_counts=counts)
 
     def combine(
@@ -341,6 +353,13 @@ class AllToAllDispatcher:
 
 
 Dispatcher = LocalDispatcher | AllToAllDispatcher
+
+
+def slot_counts(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """slots [N] int64 in [0, num_slots) -> [num_slots] int64 rows per slot.
+    NOTE: not torch.bincount, which reads the largest value back on a GPU (a sync)."""
+    counts = torch.zeros(num_slots, dtype=torch.long, device=slots.device)
+    return counts.index_add_(0, slots, torch.ones_like(slots))
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:

@@ -91,8 +91,9 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_slots, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_slots, hidden, inter))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, D] rows grouped by local slot (counts [S_r]) -> [N, D] unweighted outputs."""
+    def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """x [N, D] rows grouped by local slot (counts [S_r], a list or a tensor) -> [N, D]
+        unweighted outputs."""
         return grouped_expert_mlp(x, counts, self.w13, self.w2)
 
 
