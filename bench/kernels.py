@@ -6,8 +6,9 @@ preset and of DeepSeek-V3, in bf16.
 Per op and shape: the median time of each path (triton.testing.do_bench), the speed-up and the
 largest difference from the reference. MoE rows: V3 as one rank of EP 8 (32 expert slots, about
 one row per token), `small` with all 32 experts local (4 rows per token); counts drawn at random.
-Writes bench/results/kernels.json. Without CUDA it prints that it needs a GPU and exits 0: there
-is nothing to time, which is not a failure.
+Then the `small` engine's decode step eager and from CUDA graphs (EngineConfig.cuda_graph) at
+batch 1, 8 and 32. Writes bench/results/kernels.json. Without CUDA it prints that it needs a GPU
+and exits 0: there is nothing to time, which is not a failure.
 """
 
 import argparse
@@ -116,6 +117,51 @@ def bench_gate(shape: tuple, tokens: int) -> dict:
     )
 
 
+def bench_decode_graphs(model: str, batches: list[int], steps: int = 64) -> dict:
+    """The engine's decode step eager and replayed from CUDA graphs (EngineConfig.cuda_graph),
+    side by side: B requests of 128 random prompt tokens, `steps` greedy tokens; the median step
+    and whether the tokens agree."""
+    import statistics
+    import time
+
+    from bench.common import workload
+    from engine import EngineConfig, SamplingParams
+    from engine.llm_engine import LLMEngine
+
+    engines = {
+        graphs: LLMEngine(EngineConfig(model=model, device="cuda", cuda_graph=graphs,
+                                       cuda_graph_max_batch=max(batches)))
+        for graphs in (False, True)
+    }  # fmt: skip
+    vocab = engines[False].model.config.vocab_size
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    results = {}
+    for batch in batches:
+        prompts = [p for p, _ in workload(batch, (128, 128), (1, 1), vocab, batch)]
+        step_ms, tokens = {}, {}
+        for graphs, engine in engines.items():
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{batch}-{i}", prompt, params)
+            engine.step()  # the prefill
+            times, out = [], {}
+            while engine.has_unfinished():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for delta in engine.step().outputs:
+                    out.setdefault(delta.request_id, []).extend(delta.token_ids)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            step_ms[graphs], tokens[graphs] = statistics.median(times) * 1e3, out
+        same = tokens[False] == tokens[True]
+        print(
+            f"{model} decode step, batch {batch:<4} eager {step_ms[False]:8.3f} ms  "
+            f"graphs {step_ms[True]:8.3f} ms  x{step_ms[False] / step_ms[True]:5.2f}  "
+            f"same tokens: {same}"
+        )
+        results[batch] = {"eager_ms": step_ms[False], "graphs_ms": step_ms[True], "same": same}
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 256], help="decode batch sizes")
@@ -139,6 +185,7 @@ def main() -> int:
             for context in args.context:
                 results[f"{name}/mla/{batch}x{context}"] = bench_mla(shape, batch, context)
             torch.cuda.empty_cache()
+    results["decode_graphs/small"] = bench_decode_graphs("small", [1, 8, 32])
     path = record("kernels", {"device": torch.cuda.get_device_name(), "results": results})
     print(f"wrote {path}")
     return 0
