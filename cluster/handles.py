@@ -1,9 +1,10 @@
 """Async handles over the rank actors: what the router's ClusterBackend calls.
 
 Every call has a timeout. A call that fails because the rank is gone (its process died, the
-actor is unreachable) or does not answer in time raises router.pools.RankFailed; an exception
-the rank itself raised comes back as that exception (its message, without Ray's remote traceback,
-which goes to the log). A prefill the router stops waiting for is cancelled on the rank
+actor is unreachable) or does not answer in time raises router.pools.RankFailed, as does a
+RankStopped the rank raised (its engine stopped); any other exception the rank raised comes back
+as that exception (its message, without Ray's remote traceback, which goes to the log). A prefill
+the router stops waiting for is cancelled on the rank
 (ray.cancel), so its slot and its waiting future go too.
 
 The KV payload of a request stays an ObjectRef from the prefill call to the decode call: Ray
@@ -19,7 +20,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError
 
-from engine.messages import GenerateRequest, RankStatus, RequestOutput
+from engine.messages import GenerateRequest, RankStatus, RankStopped, RequestOutput
 from router.pools import RankFailed
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class RankHandle:
             log.debug("%s rank %d raised:\n%s", self.pool, self.rank, e)
             if cause is None or isinstance(cause, (RayError, TaskCancelledError)):
                 raise RankFailed(self.pool, self.rank, _first_line(e)) from None
+            if isinstance(cause, RankStopped):  # its engine stopped: as good as dead
+                raise RankFailed(self.pool, self.rank, str(cause)) from None
             raise cause from None
         except (RayActorError, RayError) as e:
             raise RankFailed(self.pool, self.rank, _first_line(e)) from None

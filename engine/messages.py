@@ -11,6 +11,13 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+
+class RankStopped(RuntimeError):
+    """Raised by a rank for the requests it held when its engine stopped (a collective failed: a
+    peer of its pool died): the rank is lost until its pool re-forms, and the router resumes
+    those requests elsewhere, as for a rank that died (cluster/handles.py: RankFailed)."""
+
+
 # ---- requests and their tokens ----
 
 

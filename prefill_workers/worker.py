@@ -8,15 +8,15 @@ import time
 from typing import Any
 
 from engine.kv_transfer import KVTransferError, KVTransport
-from engine.messages import GenerateRequest, KVPayload, RequestOutput, StepResult
+from engine.messages import GenerateRequest, KVPayload, RankStopped, RequestOutput, StepResult
 from engine.rank import Rank, RankConfig
 
 log = logging.getLogger(__name__)
 
 
 class PrefillAborted(RuntimeError):
-    """The request was aborted (by its router, or because the engine stopped) while its prompt
-    was queued or running here."""
+    """The request was aborted by its router while its prompt was queued or running here (when
+    the engine stops, the waiting prefills raise RankStopped)."""
 
 
 class PrefillWorker(Rank):
@@ -94,7 +94,7 @@ class PrefillWorker(Rank):
     def on_engine_stopped(self, error: BaseException | None) -> None:
         for rid, future in list(self._waiting.items()):
             if not future.done():
-                future.set_exception(PrefillAborted(f"the engine stopped ({error!r}): {rid}"))
+                future.set_exception(RankStopped(f"the engine stopped ({error!r}): {rid}"))
 
     def _resolve(self, rid: str, first: RequestOutput, kv: KVPayload | None) -> None:
         future = self._waiting.get(rid)

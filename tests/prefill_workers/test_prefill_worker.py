@@ -7,7 +7,7 @@ import asyncio
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.messages import GenerateRequest, KVPayload
+from engine.messages import GenerateRequest, KVPayload, RankStopped
 from engine.rank import RankConfig, Rendezvous
 from prefill_workers import PrefillWorker
 
@@ -62,6 +62,31 @@ def test_abort_while_the_prompt_runs_leaves_nothing():
             assert not worker._waiting
             leaks = await worker.call(lambda e: e.assert_no_leaks())
             assert leaks is None
+        finally:
+            worker.stop()
+
+    asyncio.run(main())
+
+
+def test_prefills_waiting_when_the_engine_stops_raise_rank_stopped():
+    """What a collective failing under the engine (a peer died) does to the waiting prompts:
+    RankStopped, which the router takes as a failed rank and resumes elsewhere."""
+
+    async def main():
+        worker = make_worker()
+        await worker.join(SOLO)
+        try:
+            long_prompt = torch.randint(2, 512, (1500,)).tolist()
+            task = asyncio.create_task(worker.prefill(request("long", long_prompt)))
+            while "long" not in worker._waiting:
+                await asyncio.sleep(0.01)
+            worker.on_engine_stopped(RuntimeError("Connection closed by peer"))
+            try:
+                await task
+            except RankStopped as e:
+                assert "Connection closed by peer" in str(e) and "long" in str(e)
+            else:
+                raise AssertionError("the prefill did not raise")
         finally:
             worker.stop()
 
