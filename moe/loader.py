@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels import hugepages
 from moe.config import ModelConfig
 from moe.fp8 import dequantize_block_fp8
 from moe.model import DeepseekForCausalLM, ExpertSubset
@@ -97,6 +98,8 @@ def load_model(
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, experts)
     model = model.to_empty(device=device).to(dtype)
+    # before the weights are written (model.prepare collapses what this missed)
+    hugepages.advise(p for p in model.parameters() if p.nbytes >= 1 << 20)
     model.init_buffers()
     for moe in model.moe_layers():
         if moe.gate.e_score_correction_bias is not None:  # kept fp32, as DeepSeek does

@@ -9,11 +9,13 @@ With a PagedKV the flat batch runs over the paged latent cache (chunked prefill 
 call), as the engine drives it.
 """
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from kernels import hugepages
 from kernels.backend import use_cpu_kernel
 from kernels.linear import Linear, panels
 from kernels.rotary import rope_cos_sin
@@ -24,6 +26,8 @@ from moe.fused_decode import FusedDecode
 from moe.layers import MLP, MoE, RMSNorm
 from moe.overlap import Stages, run_to_end
 from moe.rope import rope_inv_freq
+
+log = logging.getLogger(__name__)
 
 ExpertSubset = Sequence[int] | Mapping[int, Sequence[int]] | None
 
@@ -115,6 +119,27 @@ class DeepseekForCausalLM(nn.Module):
         for weight in step_weights:
             if use_cpu_kernel(weight) and weight.is_contiguous():
                 panels(weight)
+        moved = hugepages.collapse(self.read_weights())
+        if moved:
+            log.info("%.0f MiB of weights on huge pages", moved / 2**20)
+
+    def read_weights(self, min_bytes: int = 1 << 20) -> list[torch.Tensor]:
+        """The weight tensors of at least min_bytes that steps read: parameters, buffers and
+        derived weights (absorbed, fused), a weight with a panel copy (kernels.linear.panels) by
+        its copy alone; not the embedding table, of which a step reads a row per token."""
+        found: dict[int, torch.Tensor] = {}
+        for module in self.modules():
+            if isinstance(module, nn.Embedding):
+                continue
+            own = [*module._parameters.values(), *module._buffers.values()]
+            for value in [*own, *vars(module).values()]:
+                if not isinstance(value, torch.Tensor):
+                    continue
+                cached = getattr(value, "_epc_panels", None)
+                tensor = value if cached is None else cached[1]
+                if tensor.untyped_storage().nbytes() >= min_bytes:
+                    found[id(tensor)] = tensor
+        return list(found.values())
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]

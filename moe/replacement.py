@@ -12,6 +12,7 @@ pool has its new weights and all switch at the same step (engine/balancer.py dec
 a transfer fails, the rank reads the expert from the checkpoint instead.
 """
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels import hugepages
 from moe.layers import MoE
+
+log = logging.getLogger(__name__)
 
 ExpertReader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # expert -> (w13, w2)
 
@@ -113,6 +117,10 @@ class LayerMove:
                 w.wait()
             except RuntimeError:
                 pass  # the receiver falls back to the checkpoint
+        try:  # as the loaded weights (moe.model prepare); best effort
+            hugepages.collapse([self.w13, self.w2])
+        except OSError as e:
+            log.warning("expert moves: huge pages for the new weights failed: %s", e)
         self._done.set()
 
     def done(self) -> bool:
