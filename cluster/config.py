@@ -76,6 +76,10 @@ class PoolConfig:
     # custom Ray resources each rank's bundle asks for, e.g. {"epcluster_prefill": 1}: a
     # pool's ranks then land only on nodes (worker groups) that offer them
     resources: dict[str, float] = field(default_factory=dict)
+    # decode steps replayed from CUDA graphs (engine/decode_graphs.py): the decode pool on GPUs;
+    # a rank whose experts are shared (num_ranks > 1) runs them eagerly
+    cuda_graph: bool = False
+    cuda_graph_max_batch: int = 32
 
     def check(self, name: str) -> None:
         _check_types(self, f"{name}.")
@@ -90,6 +94,12 @@ class PoolConfig:
                     "must be on, off or auto",
                 ),
                 (all(v > 0 for v in self.resources.values()), "resources", "must be > 0 each"),
+                (self.cuda_graph_max_batch >= 1, "cuda_graph_max_batch", "must be >= 1"),
+                (
+                    not (self.cuda_graph and name == "prefill"),
+                    "cuda_graph",
+                    "is for the decode pool: prefill ranks run no decode steps",
+                ),
             ],
             self,
             f"{name}.",
@@ -196,8 +206,14 @@ class ClusterConfig:
             self,
         )
         self._check_files()
+        if self.decode.cuda_graph and self.gpus_per_rank == 0:
+            raise ConfigError(
+                "decode.cuda_graph needs GPUs: gpus_per_rank is 0 (set it, or leave it null "
+                "on a Ray cluster with GPUs, or turn decode.cuda_graph off)"
+            )
         try:
-            self.engine_config("prefill")
+            for pool in ("prefill", "decode"):
+                self.engine_config(pool, check=True)
         except ValueError as e:
             raise ConfigError(str(e)) from e
 
@@ -228,11 +244,13 @@ class ClusterConfig:
                     "`epcluster rebalance --save FILE`)"
                 )
 
-    def engine_config(self, pool: str) -> EngineConfig:
+    def engine_config(self, pool: str, check: bool = False) -> EngineConfig:
         """The engine of a rank of `pool`. NOTE: call it on a resolved config (resolve_gpus):
-        gpus_per_rank None means "not decided yet" and gives a CPU engine."""
+        gpus_per_rank None means "not decided yet" and gives a CPU engine (check: a CUDA one
+        where the pool asks for CUDA graphs, to validate the rest before Ray says)."""
         p: PoolConfig = getattr(self, pool)
-        device = "cuda" if (self.gpus_per_rank or 0) > 0 else "cpu"
+        gpus = self.gpus_per_rank
+        device = "cuda" if (gpus or 0) > 0 or (check and gpus is None and p.cuda_graph) else "cpu"
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
@@ -244,6 +262,8 @@ class ClusterConfig:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             two_batch_overlap=p.two_batch_overlap,
+            cuda_graph=p.cuda_graph,
+            cuda_graph_max_batch=p.cuda_graph_max_batch,
             eplb_min_gain=self.eplb_min_gain,
             eplb_max_moves=self.eplb_max_moves,
             eplb_layers_per_round=self.eplb_layers_per_round,
@@ -254,6 +274,11 @@ class ClusterConfig:
         """gpus_per_rank decided from what the Ray cluster offers (1 per rank when it has GPUs)."""
         if self.gpus_per_rank is not None:
             return self
+        if cluster_gpus < 1 and self.decode.cuda_graph:
+            raise ConfigError(
+                f"decode.cuda_graph needs GPUs and this Ray cluster offers {cluster_gpus:g}: "
+                "turn decode.cuda_graph off, or join a cluster with a GPU per rank"
+            )
         return replace(self, gpus_per_rank=1.0 if cluster_gpus >= 1 else 0.0)
 
     @classmethod

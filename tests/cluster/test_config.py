@@ -38,6 +38,18 @@ BAD_YAML = {
     "missing token file": ("auth_token_file: /nowhere/token", "auth_token_file '/nowhere/token'"),
     "cert without key": ("tls_cert_file: /etc/hostname", "tls_cert_file and tls_key_file go"),
     "client CA without TLS": ("tls_client_ca_file: /etc/hostname", "needs TLS: set tls_cert"),
+    "CUDA graphs on prefill": (
+        "prefill: {cuda_graph: true}",
+        "prefill.cuda_graph is for the decode pool: prefill ranks run no decode steps",
+    ),
+    "CUDA graphs without GPUs": (
+        "gpus_per_rank: 0\ndecode: {cuda_graph: true}",
+        "decode.cuda_graph needs GPUs: gpus_per_rank is 0",
+    ),
+    "CUDA graph bucket": (
+        "decode: {cuda_graph_max_batch: 0}",
+        "decode.cuda_graph_max_batch must be >= 1 (got 0)",
+    ),
     "missing placement file": (
         "prefill: {placement_file: /nowhere/placement.json}",
         "prefill.placement_file '/nowhere/placement.json' does not exist",
@@ -112,6 +124,16 @@ def test_gpus_per_rank_null_follows_the_cluster():
     assert gpu.gpus_per_rank == 1.0 and gpu.engine_config("prefill").device == "cuda"
     fixed = ClusterConfig.load(None, gpus_per_rank=0.5).resolve_gpus(0.0)
     assert fixed.gpus_per_rank == 0.5  # an explicit value is kept
+
+
+def test_decode_cuda_graph_reaches_the_decode_engines_only_on_gpus():
+    config = ClusterConfig.from_dict({"decode": {"cuda_graph": True, "cuda_graph_max_batch": 16}})
+    gpu = config.resolve_gpus(8.0)
+    decode, prefill = gpu.engine_config("decode"), gpu.engine_config("prefill")
+    assert (decode.device, decode.cuda_graph, decode.cuda_graph_max_batch) == ("cuda", True, 16)
+    assert (prefill.device, prefill.cuda_graph) == ("cuda", False)
+    with pytest.raises(ConfigError, match="this Ray cluster offers 0.5: turn decode.cuda_graph"):
+        config.resolve_gpus(0.5)  # not a GPU per rank: the ranks would run on CPUs
 
 
 def test_the_example_lists_every_field_with_its_default():
