@@ -161,8 +161,11 @@ def batch_arguments(doc: str, default_name: str) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--name", default=None, help=f"result file name (default {default_name})")
-    ap.add_argument("--python-layers", action="store_true",
-                    help="the Python decoder layers, not the fused ones (moe/fused_decode.py)")
+    ap.add_argument(
+        "--python-layers",
+        action="store_true",
+        help="the Python decoder layers, not the fused ones (moe/fused_decode.py)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     return args
@@ -237,8 +240,10 @@ def main() -> None:
                 "min": round(min(windowed), 3),
                 "max": round(max(windowed), 3),
                 "windows": len(windowed),
-                "bandwidth_gb_s_min_max": [round(min(window_bw) / 1e9, 1),
-                                           round(max(window_bw) / 1e9, 1)],
+                "bandwidth_gb_s_min_max": [
+                    round(min(window_bw) / 1e9, 1),
+                    round(max(window_bw) / 1e9, 1),
+                ],
             },
         }
         print(batch, rows[str(batch)], flush=True)
