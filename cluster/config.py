@@ -213,7 +213,7 @@ class ClusterConfig:
             )
         try:
             for pool in ("prefill", "decode"):
-                self.engine_config(pool, check=True)
+                self.engine_config(pool)
         except ValueError as e:
             raise ConfigError(str(e)) from e
 
@@ -244,13 +244,11 @@ class ClusterConfig:
                     "`epcluster rebalance --save FILE`)"
                 )
 
-    def engine_config(self, pool: str, check: bool = False) -> EngineConfig:
+    def engine_config(self, pool: str) -> EngineConfig:
         """The engine of a rank of `pool`. NOTE: call it on a resolved config (resolve_gpus):
-        gpus_per_rank None means "not decided yet" and gives a CPU engine (check: a CUDA one
-        where the pool asks for CUDA graphs, to validate the rest before Ray says)."""
+        gpus_per_rank None means "not decided yet" and gives a CPU engine."""
         p: PoolConfig = getattr(self, pool)
-        gpus = self.gpus_per_rank
-        device = "cuda" if (gpus or 0) > 0 or (check and gpus is None and p.cuda_graph) else "cpu"
+        device = "cuda" if (self.gpus_per_rank or 0) > 0 else "cpu"
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
@@ -262,7 +260,8 @@ class ClusterConfig:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             two_batch_overlap=p.two_batch_overlap,
-            cuda_graph=p.cuda_graph,
+            # NOTE: a resolved config on CPUs has none (__post_init__, resolve_gpus refuse it)
+            cuda_graph=p.cuda_graph and device == "cuda",
             cuda_graph_max_batch=p.cuda_graph_max_batch,
             eplb_min_gain=self.eplb_min_gain,
             eplb_max_moves=self.eplb_max_moves,

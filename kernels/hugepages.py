@@ -3,9 +3,9 @@
 A decode step at batch 1 reads every weight it multiplies by from memory once (~300 MB a step
 for `small`): it runs at the machine's read bandwidth. On 4 KiB pages that stream takes a TLB
 miss every 4 KiB; on 2 MiB pages one every 2 MiB. Measured on the 2-core dev machine, two
-engines in one process, one with its weights collapsed into huge pages, batch-1 decode
-alternating between them: 1.06x tok/s (median of 8 pairs, 7 of 8 faster); batch 32, which is
-compute-bound, unchanged (bench/huge_pages.py).
+engines in one process, one with its weights on huge pages, decode alternating between them
+(bench/huge_pages.py): batch 32 1.026x tok/s (7 of 8 pairs faster), batch 1 0.98x and 1.03x in
+two runs, within the machine's noise; a lone lm_head multiply at batch 1 ~8% faster.
 
 Most distributions run THP in `madvise` mode (/sys/kernel/mm/transparent_hugepage/enabled):
 only memory a process asks for gets huge pages, and torch's allocator does not ask (unless

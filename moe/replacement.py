@@ -12,7 +12,6 @@ pool has its new weights and all switch at the same step (engine/balancer.py dec
 a transfer fails, the rank reads the expert from the checkpoint instead.
 """
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,8 +21,6 @@ import torch.distributed as dist
 
 from kernels import hugepages
 from moe.layers import MoE
-
-log = logging.getLogger(__name__)
 
 ExpertReader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # expert -> (w13, w2)
 
@@ -74,6 +71,7 @@ class LayerMove:
         self.read_expert = read_expert
         self.w13 = torch.empty_like(experts.w13)  # [S_r, 2I, D]
         self.w2 = torch.empty_like(experts.w2)  # [S_r, D, I]
+        hugepages.advise([self.w13, self.w2])  # before they are written, as the loader does
         self.bytes_received = 0
         local_slot = {e: s for s, e in reversed(list(enumerate(experts.expert_ids)))}
         transfers = plan_layer(old, new, num_ranks)
@@ -117,10 +115,6 @@ class LayerMove:
                 w.wait()
             except RuntimeError:
                 pass  # the receiver falls back to the checkpoint
-        try:  # as the loaded weights (moe.model prepare); best effort
-            hugepages.collapse([self.w13, self.w2])
-        except OSError as e:
-            log.warning("expert moves: huge pages for the new weights failed: %s", e)
         self._done.set()
 
     def done(self) -> bool:
