@@ -15,11 +15,11 @@ Every MoE layer has one dispatcher (MoE.dispatcher), of one of two kinds with on
 dispatch returns a DispatchHandle whose recv_x / recv_counts feed Experts; combine takes the
 expert outputs in the same order and returns a CombineHandle whose output() weights each token's
 K rows by topk_weights and sums them, by the same arithmetic for both kinds (so EP = 1 and EP > 1
-agree bit for bit on a token's sum).
+agree bit for bit on a token's sum). The handles and CommStats live in moe/dispatch_handles.py
+(imported from here too).
 """
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,137 +27,11 @@ import torch.distributed as dist
 
 from kernels.backend import use_cpu_kernel, use_triton
 from kernels.cpu import cpu_kernels
+from moe.dispatch_handles import CombineHandle, CommStats, DispatchHandle
 from moe.placement import Placement
 
 if TYPE_CHECKING:
     from moe.model import DeepseekForCausalLM
-
-
-@dataclass(slots=True)
-class CommStats:
-    """Running totals of one rank's dispatches and combines, over every MoE layer of a model
-    (host clocks only: no device sync). The engine reads them between steps."""
-
-    dispatch_s: float = 0.0  # from starting a dispatch to its rows being ready, summed
-    combine_s: float = 0.0  # likewise for combines (overlapped work included)
-    dispatch_wait_s: float = 0.0  # time blocked waiting for them (communication left exposed)
-    combine_wait_s: float = 0.0
-    dispatch_bytes: int = 0  # rows this rank sent (to itself included)
-    combine_bytes: int = 0
-    rows: int = 0  # token-expert rows this rank's experts computed
-
-
-@dataclass
-class DispatchHandle:
-    """A dispatch in progress, and what combine needs to send the rows back.
-
-    All-to-all dispatches run in two phases that a caller can overlap with other work: the count
-    exchange is in flight after dispatch(); launch_rows() waits for it and sends the rows;
-    wait() makes recv_x / recv_counts ready (launching the rows first if needed). A local
-    dispatch is ready at once.
-    """
-
-    topk_weights: torch.Tensor  # [T, K] fp32
-    send_order: torch.Tensor  # [T * K]: the (token * K + k) index of each sent row
-    send_x: torch.Tensor  # [T * K, D] rows in send order
-    recv_x: torch.Tensor | None = field(default=None, repr=False)  # [N, D] grouped by slot
-    # [S_r] rows per local slot (a LocalDispatcher on a GPU: a device tensor, never read back)
-    recv_counts: list[int] | torch.Tensor = field(default_factory=list)
-    # all-to-all only:
-    group: dist.ProcessGroup | None = None
-    num_ranks: int = 1
-    send_counts: torch.Tensor | None = None  # [R * S_r] rows to each (destination rank, slot)
-    recv_counts_buf: torch.Tensor | None = None  # [R * S_r] rows from each (source, my slot)
-    counts_work: dist.Work | None = None
-    send_splits: list[int] = field(default_factory=list)  # [R] rows sent to each rank
-    recv_splits: list[int] = field(default_factory=list)  # [R] rows received from each rank
-    recv_perm: torch.Tensor | None = None  # [N]: recv_x[i] = arrival row recv_perm[i]
-    recv_buf: torch.Tensor | None = None  # [N, D] rows in arrival order: by source, then slot
-    work: dist.Work | None = None
-    stats: CommStats | None = None
-    started: float = 0.0  # time.perf_counter() at dispatch
-
-    @property
-    def bytes_sent(self) -> int:
-        """Rows times row size: what this rank puts on the wire (rows to itself included)."""
-        return self.send_x.numel() * self.send_x.element_size()
-
-    def launch_rows(self, async_op: bool = True) -> "DispatchHandle":
-        if self.recv_x is not None or self.recv_buf is not None:
-            return self
-        if self.counts_work is not None:
-            self.counts_work.wait()
-        num_ranks = self.num_ranks
-        recv_matrix = self.recv_counts_buf.view(num_ranks, -1)  # [R, S_r]
-        self.send_splits = self.send_counts.view(num_ranks, -1).sum(dim=1).tolist()
-        self.recv_splits = recv_matrix.sum(dim=1).tolist()
-        self.recv_perm = _slot_major_perm(recv_matrix)
-        self.recv_counts = recv_matrix.sum(dim=0).tolist()
-        self.recv_buf = self.send_x.new_empty(sum(self.recv_splits), self.send_x.shape[1])
-        work = dist.all_to_all_single(
-            self.recv_buf,
-            self.send_x,
-            self.recv_splits,
-            self.send_splits,
-            group=self.group,
-            async_op=async_op,
-        )
-        self.work = work if async_op else None
-        return self
-
-    def wait(self) -> "DispatchHandle":
-        if self.recv_x is None:
-            blocked = time.perf_counter()
-            self.launch_rows(async_op=False)
-            if self.work is not None:
-                self.work.wait()
-            self.recv_x = self.recv_buf[self.recv_perm]  # [N, D]
-            if self.stats is not None:
-                done = time.perf_counter()
-                self.stats.dispatch_wait_s += done - blocked
-                self.stats.dispatch_s += done - self.started
-                self.stats.rows += self.recv_x.shape[0]
-        return self
-
-
-@dataclass
-class CombineHandle:
-    dispatch: DispatchHandle
-    rows: torch.Tensor  # [T * K, D] expert outputs, in dispatch's send order
-    work: dist.Work | None = None
-    started: float = 0.0  # time.perf_counter() at combine
-
-    def wait(self) -> "CombineHandle":
-        if self.work is not None:
-            blocked = time.perf_counter()
-            self.work.wait()
-            self.work = None
-            stats = self.dispatch.stats
-            if stats is not None:
-                done = time.perf_counter()
-                stats.combine_wait_s += done - blocked
-                stats.combine_s += done - self.started
-        return self
-
-    def output(self) -> torch.Tensor:
-        """[T, D] in the rows' dtype: sum over k of topk_weights[t, k] * expert row (t, k)."""
-        self.wait()
-        handle = self.dispatch
-        if use_cpu_kernel(self.rows) and handle.topk_weights.dtype == torch.float32:
-            return cpu_kernels().combine(
-                self.rows.contiguous(), handle.send_order, handle.topk_weights.contiguous()
-            )  # the same sum, in k order, in one op
-        num_tokens, top_k = handle.topk_weights.shape
-        hidden = self.rows.shape[1]
-        # NOTE: a gather and a sum over K, not index_add_: the same order of additions on every
-        # device and in every pool size (index_add_ on CUDA uses atomics).
-        by_token = torch.empty(
-            num_tokens * top_k, hidden, dtype=torch.float32, device=self.rows.device
-        )
-        by_token[handle.send_order] = self.rows.float()
-        by_token = by_token.view(num_tokens, top_k, hidden)  # [T, K, D]
-        weighted = by_token * handle.topk_weights.float()[:, :, None]  # [T, K, D]
-        return weighted.sum(dim=1).to(self.rows.dtype)  # [T, D]
 
 
 class LocalDispatcher:
@@ -367,18 +241,6 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     assert topk_idx.dtype == torch.int64, topk_idx.dtype
     assert topk_weights.shape == topk_idx.shape, (topk_weights.shape, topk_idx.shape)
     assert topk_idx.shape[0] == x.shape[0], (topk_idx.shape, x.shape)
-
-
-def _slot_major_perm(recv_matrix: torch.Tensor) -> torch.Tensor:
-    """recv_matrix [R, S_r] rows from each (source, slot), arriving source-major ->
-    perm [N] such that arrival[perm] is slot-major (slot 0 from every source, then slot 1...)."""
-    num_ranks, slots_per_rank = recv_matrix.shape
-    device = recv_matrix.device
-    source = torch.arange(num_ranks, device=device)[:, None]
-    slot = torch.arange(slots_per_rank, device=device)[None, :]
-    key = (slot * num_ranks + source).reshape(-1)  # [R * S_r] in arrival order
-    row_key = torch.repeat_interleave(key, recv_matrix.reshape(-1))  # [N]
-    return torch.argsort(row_key, stable=True)
 
 
 def install_expert_parallel(
