@@ -4,6 +4,7 @@ Every check raises ValueError with a message that says what to fix; the server a
 INVALID_ARGUMENT. Nothing here does I/O.
 """
 
+import math
 import secrets
 import uuid
 
@@ -27,6 +28,19 @@ from engine.tokenizer import Tokenizer
 from router.proto import epcluster_pb2 as pb
 
 MAX_REQUEST_ID_LEN = 256
+MAX_INT32 = 2**31 - 1
+# Every front end's bounds on SamplingParams' numbers, checked before SamplingParams: each must
+# fit the signed wire field it travels in between router and ranks (int32; int64 for seed), and a
+# float must be finite. JSON integers are unbounded: a top_k of 2**63 from HTTP once overflowed
+# the sampler's int64 tensor on a rank and re-formed its pool. The ranges (max_tokens >= 1,
+# logprobs <= 20, ...) are SamplingParams' own, with its messages.
+INT_BOUNDS = {
+    "max_tokens": (-(2**31), MAX_INT32),
+    "top_k": (-(2**31), MAX_INT32),
+    "logprobs": (-(2**31), MAX_INT32),
+    "seed": (-(2**63), MAX_SEED - 1),
+}
+FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 FINISH_TO_PROTO = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -67,12 +81,60 @@ def unknown_fields(msg: Message, path: str = "") -> list[str]:
     return found
 
 
+def check_int(name: str, value: object, lo: int, hi: int) -> int:
+    """-> value, or ValueError naming the field: not an int (bool is not one), or outside
+    [lo, hi]."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        shown = str(value) if value.bit_length() <= 128 else f"a {value.bit_length()}-bit integer"
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {shown}")
+    return value
+
+
+def check_float(name: str, value: object) -> float:
+    """-> value as a float, or ValueError naming the field: not a number, too large for a float
+    (a JSON integer of 400 digits), or not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got a number too large for a float") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number}")
+    return number
+
+
+def check_bounds(fields: dict[str, object]) -> None:
+    """ValueError naming the first number of `fields` (SamplingParams' keyword arguments)
+    outside the edge bounds (INT_BOUNDS, finite floats); their ranges are SamplingParams'."""
+    for name, value in fields.items():
+        if name in INT_BOUNDS and value is not None:
+            check_int(name, value, *INT_BOUNDS[name])
+        elif name in FLOAT_FIELDS:
+            check_float(name, value)
+
+
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """-> engine SamplingParams (unset fields take the engine defaults), or ValueError."""
     kwargs: dict[str, object] = {k: getattr(msg, k) for k in _OPTIONAL_PARAMS if msg.HasField(k)}
     if msg.HasField("logprobs"):
         kwargs["logprobs"] = msg.logprobs
+    check_bounds(kwargs)
     return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), **kwargs)
+
+
+def conversion_cost(msg: Message) -> int:
+    """How much a Generate request's conversion tokenizes or checks, in characters of text or
+    token ids, for off_loop: a 4 MiB message holds ~1M token ids, each checked in Python."""
+    for field in ("text", "token_ids", "tokenized"):
+        if field in msg.DESCRIPTOR.fields_by_name and msg.HasField(field):
+            value = getattr(msg, field)
+            if isinstance(value, str):
+                return len(value)
+            return len(value.ids if field == "token_ids" else value.input_ids)
+    return 0
 
 
 def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:

@@ -12,57 +12,24 @@ vLLM's (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `seed`); fields epclus
 """
 
 import asyncio
-import dataclasses
 import hmac
-import json
-import secrets
 import time
-import uuid
-from typing import Any
 
-import jinja2.sandbox
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine.messages import GenerateRequest
-from engine.model_info import check_prompt, check_stop_token_ids
-from engine.sampling_params import MAX_SEED, SamplingParams
-from router.convert import check_request_id
-from router.frontend import Frontend, Refused, off_loop
-from router.openai_views import HTTP_STATUS, OpenAIView, error_body, gather
+from router import http_auth
+from router.auth import ServerSecurity
+from router.frontend import Frontend, Refused
+from router.openai_requests import DEFAULT_CHAT_TEMPLATE, HttpError, RequestParser
+from router.openai_views import HTTP_STATUS, OpenAIView, error_body, gather_or_disconnect
 
-# A plain template for checkpoints without one (the presets): role-tagged turns, then the
-# assistant's turn to continue.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-UNSUPPORTED = {  # field: the value that means "not used"
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": None,
-    "best_of": None,
-    "echo": False,
-    "suffix": None,
-    "tools": None,
-    "functions": None,
-    "tool_choice": None,
-    "response_format": None,
-    "min_tokens": 0,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "lora_request": None,
-}
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "HttpError", "OpenAIServer", "start"]
 
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused with 413
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request looks for its client
 
 
 def _refused_response(e: Refused) -> JSONResponse:
@@ -83,13 +50,14 @@ class OpenAIServer:
         registry: CollectorRegistry | None = None,
         chat_template: str | None = None,
         token: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.frontend, self.backend = frontend, frontend.backend
         self.model_name = model_name
         self.registry = registry
         self.token = None if token is None else f"Bearer {token}".encode()
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self.chat_template = env.from_string(chat_template or DEFAULT_CHAT_TEMPLATE)
+        self.parser = RequestParser(self.backend, model_name, chat_template)
+        self.max_body_bytes = max_body_bytes
         self.app = self._build()
 
     # ---- the app ----
@@ -153,154 +121,24 @@ class OpenAIServer:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            body = await _json(request)
-            prompts = self._completion_prompts(body.get("prompt"))
-            return await self._respond(request, body, prompts, chat=False)
+            return await self._respond(request, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            body = await _json(request)
-            return await self._respond(request, body, [self._render_chat(body)], chat=True)
+            return await self._respond(request, chat=True)
 
         return app
 
-    # ---- requests in ----
-
-    def _check_common(self, body: dict) -> None:
-        if body.get("model") not in (None, self.model_name):
-            raise HttpError(
-                404,
-                f"model {body.get('model')!r} is not served here: this router "
-                f"serves {self.model_name!r} (GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
-        if body.get("n", 1) != 1:
-            raise HttpError(400, "n must be 1 (one choice per prompt): send more requests", "n")
-        for field, off in UNSUPPORTED.items():
-            if body.get(field, off) not in (off, None):
-                raise HttpError(
-                    400, f"{field} is not supported by epcluster: leave it unset", field
-                )
-
-    def _completion_prompts(self, prompt: Any) -> list[str | list[int]]:
-        if isinstance(prompt, str):
-            return [prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-            return [list(prompt)]
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
-        ):
-            return [list(p) for p in prompt]
-        raise HttpError(
-            400,
-            "prompt must be a string, a list of strings, a list of token ids "
-            "or a list of such lists, none empty",
-            "prompt",
-        )
-
-    def _render_chat(self, body: dict) -> str:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise HttpError(400, "messages must be a non-empty list", "messages")
-        flat = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-                raise HttpError(
-                    400, f"messages[{i}] needs a role of system, user or assistant", "messages"
-                )
-            content = m.get("content")
-            if isinstance(content, list):  # parts: text only
-                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                    raise HttpError(
-                        400, f"messages[{i}]: only text content parts are supported", "messages"
-                    )
-                content = "".join(p.get("text", "") for p in content)
-            if not isinstance(content, str):
-                raise HttpError(
-                    400, f"messages[{i}].content must be a string or text parts", "messages"
-                )
-            flat.append({"role": m["role"], "content": content})
-        try:
-            return self.chat_template.render(
-                messages=flat, add_generation_prompt=True, bos_token="", eos_token=""
-            )
-        except jinja2.TemplateError as e:
-            raise HttpError(
-                400, f"the chat template failed on these messages: {e}", "messages"
-            ) from e
-
-    def _params(self, body: dict, chat: bool) -> SamplingParams:
-        fields = {
-            k: body[k]
-            for k in (
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "seed",
-                "ignore_eos",
-                "stop_token_ids",
-            )
-            if body.get(k) is not None
-        }
-        if body.get("stop") is not None:
-            fields["stop"] = body["stop"]
-        max_tokens = (
-            body.get("max_completion_tokens", body.get("max_tokens"))
-            if chat
-            else (body.get("max_tokens", 16))
-        )
-        if max_tokens is not None:
-            fields["max_tokens"] = max_tokens
-        if chat and body.get("logprobs"):
-            fields["logprobs"] = body.get("top_logprobs") or 0
-        elif not chat and body.get("logprobs") is not None:
-            fields["logprobs"] = body["logprobs"]
-        try:
-            params = SamplingParams(**fields)
-        except ValueError as e:
-            raise HttpError(400, str(e), str(e).split(" ", 1)[0]) from None
-        if chat and "max_tokens" not in fields:  # unset in chat: up to the context
-            params.max_tokens = self.backend.model_info().max_model_len
-        if params.seed is None:
-            params.seed = secrets.randbelow(MAX_SEED)
-        try:
-            check_stop_token_ids(params.stop_token_ids, self.backend.prompt_limits())
-        except ValueError as e:
-            raise HttpError(400, str(e), "stop_token_ids") from None
-        return params
-
-    def _requests(self, request: Request, body: dict, prompts: list, chat: bool):
-        self._check_common(body)
-        params = self._params(body, chat)
-        limits = self.backend.prompt_limits()
-        base = request.headers.get("x-request-id") or uuid.uuid4().hex
-        try:
-            check_request_id(base, "X-Request-Id")
-        except ValueError as e:
-            raise HttpError(400, str(e), "X-Request-Id") from None
-        out = []
-        for i, prompt in enumerate(prompts):
-            ids = self.backend.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            try:
-                ids = check_prompt(ids, limits)
-            except ValueError as e:
-                raise HttpError(400, str(e), "messages" if chat else "prompt") from None
-            rid = base if len(prompts) == 1 else f"{base}-{i}"
-            p = dataclasses.replace(params)
-            out.append(GenerateRequest(rid, ids, p, p.seed))
-        return out
-
     # ---- responses out ----
 
-    async def _respond(self, request: Request, body: dict, prompts: list, chat: bool):
-        text = sum(len(p) for p in prompts if isinstance(p, str))
-        reqs = await off_loop(text, self._requests, request, body, prompts, chat)
+    async def _respond(self, request: Request, chat: bool):
+        """Read, parse and check the body, run its requests, answer (JSON or SSE)."""
+        raw = await read_body(request, self.max_body_bytes)
+        # NOTE: off the loop, always: parsing 4 MiB of JSON, rendering a chat template, checking
+        # a million token ids stalled every stream and health check when done here.
+        body, reqs = await asyncio.to_thread(
+            self.parser.parse, raw, chat, request.headers.get("x-request-id")
+        )
         start = time.monotonic()
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].request_id}"
         created = int(time.time())
@@ -316,11 +154,9 @@ class OpenAIServer:
             raise
         view = OpenAIView(self.model_name, self.backend.tokenizer, ident, created, chat, body)
         if not body.get("stream"):
-            try:
-                outs = await asyncio.gather(*(gather(f, s) for f, s in zip(firsts, streams)))
-            finally:
-                for s in streams:
-                    await s.aclose()
+            outs = await gather_or_disconnect(request, firsts, streams, DISCONNECT_POLL_S)
+            if outs is None:  # the client went away: its requests were aborted
+                return Response(status_code=499)
             return JSONResponse(view.whole(outs))
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
@@ -330,12 +166,21 @@ class OpenAIServer:
         )
 
 
-async def start(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:
-    """Serve `app` on host:port (0: a free one) on the running loop; -> the server, its task,
-    the bound port."""
+async def start(
+    app: FastAPI, host: str, port: int, security: ServerSecurity | None = None
+) -> tuple[uvicorn.Server, asyncio.Task, int]:
+    """Serve `app` on host:port (0: a free one) on the running loop, under `security` (TLS,
+    mutual TLS, the token: router/http_auth.py); -> the server, its task, the bound port."""
+    security = security or ServerSecurity()
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=host, port=port, log_level="warning", lifespan="off", access_log=False
+            http_auth.guard(app, security),
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            **http_auth.uvicorn_ssl(security),
         )
     )
     task = asyncio.create_task(server.serve())
@@ -347,15 +192,21 @@ async def start(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asy
     return server, task, server.servers[0].sockets[0].getsockname()[1]
 
 
-async def _json(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HttpError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "the body must be a JSON object")
-    return body
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 past `limit` bytes: by its Content-Length before reading, and while
+    reading (a chunked body has none). NOTE: unbounded, one client's 1 GB body was held in the
+    router's memory and parsed on its event loop."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise HttpError(413, _too_large(limit), code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, _too_large(limit), code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _too_large(limit: int) -> str:
+    return f"the request body is larger than {limit} bytes: send a smaller prompt"

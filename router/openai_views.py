@@ -6,6 +6,8 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
+from starlette.requests import Request
+
 from engine.messages import RequestOutput
 from router.frontend import Refused
 
@@ -21,6 +23,7 @@ ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",
@@ -181,3 +184,34 @@ async def gather(first: RequestOutput, stream) -> RequestOutput:
     async for out in stream:
         acc = acc.merge(out)
     return acc
+
+
+async def gather_or_disconnect(
+    request: Request, firsts: list[RequestOutput], streams: list, poll_s: float
+) -> list[RequestOutput] | None:
+    """Each stream's whole output, or None when the client disconnected first; either way every
+    stream is closed (a closed stream aborts its request and frees its blocks). NOTE: Starlette
+    does not cancel a non-streaming endpoint whose client left: without this watch such a
+    request generated to its end (a chat with no max_tokens: to the context), holding its
+    admission slot and its KV blocks."""
+    work = asyncio.ensure_future(asyncio.gather(*(gather(f, s) for f, s in zip(firsts, streams))))
+    watch = asyncio.ensure_future(_disconnected(request, poll_s))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        return None
+    finally:
+        for task in (watch, work):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for s in streams:
+            await s.aclose()
+
+
+async def _disconnected(request: Request, poll_s: float) -> None:
+    """Returns once the client has gone: the body is read, so the next ASGI message is
+    http.disconnect (uvicorn sends it when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(poll_s)  # not expected after the body; never spin

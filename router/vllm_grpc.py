@@ -11,6 +11,7 @@ penalties, grammars, logit bias, prompt logprobs, multimodal inputs, KV-transfer
 refused with a clear INVALID_ARGUMENT or UNIMPLEMENTED, never ignored.
 """
 
+import asyncio
 import contextlib
 import datetime
 import hashlib
@@ -27,7 +28,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from engine.messages import GenerateRequest, RequestOutput
 from engine.model_info import PromptLimits, check_prompt, check_stop_token_ids
 from engine.sampling_params import MAX_SEED, SamplingParams
-from router.convert import check_request_id
+from router.abort_scope import AbortScope
+from router.convert import check_bounds, check_request_id, conversion_cost
 from router.frontend import Frontend, Refused, off_loop
 
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
@@ -48,6 +50,8 @@ class VllmEngineServicer:
         self.model_name, self.checkpoint = model_name, checkpoint
         self.started = time.time()
         self.last_request = 0.0
+        self._tokenizer_zip: asyncio.Task | None = None  # built once, off the loop
+        self.aborts = AbortScope(frontend)  # the router sets its security (server.py)
 
     # ---- Generate ----
 
@@ -55,8 +59,9 @@ class VllmEngineServicer:
         start = time.monotonic()
         self.last_request = time.time()
         try:
-            text = len(request.text) if request.WhichOneof("input") == "text" else 0
-            req = await off_loop(text, self._request, request)
+            # text tokenized, or token ids checked one by one (~1M in a 4 MiB message)
+            req = await off_loop(conversion_cost(request), self._request, request)
+            self.aborts.started(req.request_id, context)  # Abort: its owner, or the admin
         except ValueError as e:
             self.frontend.refuse("INVALID_ARGUMENT", str(e))
             await context.abort(_INVALID, str(e))
@@ -113,6 +118,9 @@ class VllmEngineServicer:
         return vpb.HealthCheckResponse(healthy=ready, message=why)
 
     async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:
+        refusal = self.aborts.refusal(request.request_ids, context)
+        if refusal is not None:  # another caller's request, and no admin token
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         for rid in request.request_ids:
             await self.backend.abort(rid)
         return vpb.AbortResponse()
@@ -121,13 +129,15 @@ class VllmEngineServicer:
         info = self.backend.model_info()
         limits = self.backend.prompt_limits()
         eos = [] if info.eos_token_id is None else [info.eos_token_id]
+        # NOTE: the model's name, never the router's checkpoint directory: an absolute path on
+        # the router's host is none of a client's business (the files come from GetTokenizer).
         return vpb.GetModelInfoResponse(
-            model_path=str(self.checkpoint or self.model_name),
+            model_path=self.model_name,
             is_generation=True,
             max_context_length=info.max_model_len,
             vocab_size=info.vocab_size,
             served_model_name=self.model_name,
-            tokenizer_path=str(self.checkpoint or ""),
+            tokenizer_path=self.model_name,
             model_type=info.model_type,
             eos_token_ids=eos,
             max_req_input_len=limits.max_prompt_tokens,
@@ -173,19 +183,21 @@ class VllmEngineServicer:
     async def GetTokenizer(self, request, context):
         if self.checkpoint is None:
             await context.abort(_UNSUPPORTED, "this router has no checkpoint directory")
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-            for name in TOKENIZER_FILES:
-                if (self.checkpoint / name).is_file():
-                    z.write(self.checkpoint / name, name)
-        data = buf.getvalue()
+        # NOTE: zipping V3's 8 MB tokenizer.json took ~0.5 s, once per call on the router's loop;
+        # now once per router, on a thread (the files do not change while it serves).
+        if self._tokenizer_zip is None or (
+            self._tokenizer_zip.done() and self._tokenizer_zip.exception() is not None
+        ):
+            self._tokenizer_zip = asyncio.ensure_future(
+                asyncio.to_thread(tokenizer_zip, self.checkpoint)
+            )
+        data, digest = await asyncio.shield(self._tokenizer_zip)
         step = 1 << 20
         for off in range(0, len(data), step):
             last = off + step >= len(data)
             await context.write(
                 common_pb2.GetTokenizerChunk(
-                    data=data[off : off + step],
-                    sha256=hashlib.sha256(data).hexdigest() if last else "",
+                    data=data[off : off + step], sha256=digest if last else ""
                 )
             )
 
@@ -200,6 +212,17 @@ class VllmEngineServicer:
 
     async def SubscribeKvEvents(self, request, context):
         await context.abort(_UNSUPPORTED, "epcluster publishes no KV cache events")
+
+
+def tokenizer_zip(checkpoint: Path) -> tuple[bytes, str]:
+    """The checkpoint's tokenizer files zipped (GetTokenizer's payload), and its sha256."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in TOKENIZER_FILES:
+            if (checkpoint / name).is_file():
+                z.write(checkpoint / name, name)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
 
 
 def sampling_params(p: vpb.SamplingParams, limits: PromptLimits) -> SamplingParams:
@@ -234,6 +257,7 @@ def sampling_params(p: vpb.SamplingParams, limits: PromptLimits) -> SamplingPara
     if p.HasField("logprobs"):
         fields["logprobs"] = p.logprobs
     try:
+        check_bounds(fields)  # uint32 top_k / max_tokens past int32; the same rules everywhere
         params = SamplingParams(**fields)
     except ValueError as e:
         raise ValueError(f"sampling_params: {e}") from None

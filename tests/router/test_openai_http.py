@@ -129,7 +129,7 @@ def request(server, path: str, body, headers=None):
     ("body", "status", "param", "fragment"),
     [
         ({"model": "nope", "prompt": "x"}, 404, "model", "is not served here"),
-        ({"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature", "temperature must be in [0,"),
         ({"prompt": "x", "n": 2}, 400, "n", "n must be 1"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
         ({"prompt": ""}, 400, "prompt", "prompt is empty"),
