@@ -1,6 +1,7 @@
 """The `epcluster` command line.
 
 epcluster serve [--config FILE] [--model M] [--prefill-ranks N] [--decode-ranks N] ...
+epcluster stop [--address HOST:PORT|auto] [--cluster-name NAME | --config FILE]
 epcluster generate --prompt TEXT [--target HOST:PORT | --model M] [sampling flags] [--json]
 epcluster status --target HOST:PORT [--expert-load PNG]
 epcluster rebalance --target HOST:PORT [--pool prefill|decode] [--save FILE]
@@ -188,6 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         ray_address=args.address,
+        cluster_name=args.cluster_name,
         kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size,
         kv_transport=args.kv_transport,
@@ -248,6 +250,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Remove a cluster's pools from a Ray cluster for good: the rank actors, the placement
+    groups and the record a new router would attach through (cluster/registry.py)."""
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig.load(args.config, cluster_name=args.cluster_name)
+    import ray
+
+    from cluster import registry
+
+    ray.init(address=args.address, namespace=registry.NAMESPACE, log_to_driver=False)
+    try:
+        removed = registry.remove_pools(config.cluster_name)
+    finally:
+        ray.shutdown()
+    if not removed:
+        print(f"epcluster: no pools of cluster {config.cluster_name!r} on {args.address}")
+        return 1
+    print(f"epcluster: removed {', '.join(removed)}", flush=True)
+    return 0
+
+
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """How to reach a router that requires a token and/or TLS (README "Security")."""
     parser.add_argument("--token-file", help="send the bearer token in this file")
@@ -284,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--decode-ranks", type=int)
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--address", help="join this Ray cluster (auto, or host:port)")
+    serve.add_argument(
+        "--address",
+        help="join this Ray cluster (auto, or host:port); attach to the pools it runs, if any",
+    )
+    serve.add_argument("--cluster-name", help="names the pools on Ray (default: default)")
     serve.add_argument("--kv-cache-bytes", type=int, help="KV cache budget per rank")
     serve.add_argument("--block-size", type=int)
     serve.add_argument("--kv-transport", choices=["object_store", "p2p"])
@@ -301,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         "--tls-client-ca-file", help="PEM CA: mutual TLS, clients need a certificate it signed"
     )
     serve.set_defaults(func=cmd_serve)
+
+    stop = sub.add_parser("stop", help="remove a cluster's pools from a Ray cluster for good")
+    stop.add_argument("--address", default="auto", help="the Ray cluster (auto, or host:port)")
+    stop.add_argument("--cluster-name", help="whose pools (default: the config's, or default)")
+    stop.add_argument("--config", help="take cluster_name from this YAML file")
+    stop.set_defaults(func=cmd_stop)
 
     gen = sub.add_parser("generate", help="generate a continuation (in-process or via --target)")
     gen.add_argument("--target", help="a running router, HOST:PORT")

@@ -1,6 +1,7 @@
 """ClusterConfig: a YAML file, then command-line flags over it. Checked once, at start: a wrong
 type, an unknown field, a bad value or malformed YAML fails with a message that names the field."""
 
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -121,12 +122,24 @@ class ClusterConfig:
     http_port: int | None = 8000  # OpenAI-compatible HTTP on `host` (0: any; null: off)
     metrics_port: int | None = 9400  # the router's /metrics and /sd/targets (0: any; null: off)
     rank_metrics_port: int | None = 9401  # a rank's /metrics: first port tried on its node
-    # gRPC security (README "Security"): a bearer token, TLS, and mutual TLS with a client CA
+    # Security of the gRPC and HTTP ports (README "Security", router/auth.py): a bearer token,
+    # TLS, and mutual TLS with a client CA
     auth_token_file: str | None = None  # clients send `authorization: Bearer <file's text>`
+    admin_token_file: str | None = None  # Rebalance, others' vLLM Abort (a client token too)
     tls_cert_file: str | None = None  # PEM server certificate (with tls_key_file): TLS on
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # PEM CA: clients must present a cert it signed
+    metrics_tls: bool = False  # the router's metrics port over TLS too (tls_cert_file's cert)
+    metrics_token_file: str | None = None  # the metrics port wants this bearer token (Prometheus)
+    # a host other than loopback needs auth_token_file or tls_client_ca_file, or this
+    allow_insecure_bind: bool = False
     ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join
+    # names the pools' detached actors on Ray: a router started on a Ray cluster where this
+    # cluster's pools run attaches to them (cluster/registry.py)
+    cluster_name: str = "default"
+    # at shutdown, keep the pools running for the next router (null: keep them on a joined Ray,
+    # ray_address set; remove them with the local Ray this router started)
+    keep_pools: bool | None = None
     gpus_per_rank: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
     cpus_per_rank: float = 0.5  # CPU share of a rank's bundle
     torch_threads: int = 1  # per rank process
@@ -189,6 +202,12 @@ class ClusterConfig:
                     "must be null or in [0, 65520) (ranks on a node take up to 16 ports)",
                 ),
                 (self.torch_threads >= 1, "torch_threads", "must be >= 1"),
+                (
+                    re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", self.cluster_name)
+                    is not None,
+                    "cluster_name",
+                    "must be 1-40 lowercase letters, digits and dashes (not at either end)",
+                ),
                 (self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1"),
                 (self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1"),
                 (self.max_resumes >= 0, "max_resumes", "must be >= 0"),
@@ -205,6 +224,11 @@ class ClusterConfig:
             ],
             self,
         )
+        if self.keep_pools and self.ray_address is None:
+            raise ConfigError(
+                "keep_pools needs a Ray cluster that outlives the router: set ray_address (a "
+                "local Ray, which this router starts, stops with it)"
+            )
         self._check_files()
         if self.decode.cuda_graph and self.gpus_per_rank == 0:
             raise ConfigError(
@@ -226,7 +250,14 @@ class ClusterConfig:
                 f"model must be a preset ({', '.join(preset_names())}) or a checkpoint directory "
                 f"with config.json (got {self.model!r}: no such directory or no config.json in it)"
             )
-        for name in ("auth_token_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        for name in (
+            "auth_token_file",
+            "admin_token_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "tls_client_ca_file",
+            "metrics_token_file",
+        ):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{name} {path!r} does not exist or is not a file")
@@ -236,6 +267,28 @@ class ClusterConfig:
             raise ConfigError(
                 "tls_client_ca_file (mutual TLS) needs TLS: set tls_cert_file and tls_key_file"
             )
+        if self.metrics_tls and self.tls_cert_file is None:
+            raise ConfigError("metrics_tls needs TLS: set tls_cert_file and tls_key_file")
+        self._check_bind()
+
+    def _check_bind(self) -> None:
+        """The router's ports on an address others reach need a credential: a bearer token or
+        mutual TLS (forced with allow_insecure_bind, for a network that is private anyway)."""
+        from router.auth import is_loopback
+
+        if (
+            is_loopback(self.host)
+            or self.auth_token_file is not None
+            or self.tls_client_ca_file is not None
+            or self.allow_insecure_bind
+        ):
+            return
+        raise ConfigError(
+            f"host {self.host!r} is reachable from other machines and the router would serve it "
+            "without authentication: set auth_token_file (and tls_cert_file, tls_key_file), or "
+            "tls_client_ca_file (mutual TLS); or set allow_insecure_bind: true to serve it open "
+            "(--allow-insecure-bind)"
+        )
         for pool in ("prefill", "decode"):
             path = getattr(self, pool).placement_file
             if path is not None and not Path(path).is_file():
@@ -243,6 +296,11 @@ class ClusterConfig:
                     f"{pool}.placement_file {path!r} does not exist (write one with "
                     "`epcluster rebalance --save FILE`)"
                 )
+
+    @property
+    def keeps_pools(self) -> bool:
+        """Whether a router's shutdown leaves the pools running (keep_pools, decided)."""
+        return self.ray_address is not None if self.keep_pools is None else self.keep_pools
 
     def engine_config(self, pool: str) -> EngineConfig:
         """The engine of a rank of `pool`. NOTE: call it on a resolved config (resolve_gpus):

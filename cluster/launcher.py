@@ -8,13 +8,14 @@ import logging
 import os
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import psutil
 import ray
 from ray._private import ray_constants
 
+from cluster import registry
+from cluster.attach import open_pools
 from cluster.config import ClusterConfig
 from cluster.pool import Pool
 from engine.metrics_server import MetricsServer
@@ -47,6 +48,7 @@ def _start_local_ray(num_cpus: int) -> None:
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
+                namespace=registry.NAMESPACE,
                 log_to_driver=False,
                 configure_logging=False,
             )
@@ -88,7 +90,8 @@ class Cluster:
         self.backend: ClusterBackend | None = None
         self.metrics: RouterMetrics | None = None
         self.metrics_server: MetricsServer | None = None
-        self.cluster_id = uuid.uuid4().hex[:12]  # names this cluster's rendezvous files
+        self.cluster_id = ""  # names the pools' rendezvous (files and stores)
+        self.attached = False  # the pools ran before this router started (cluster/attach.py)
         self._owns_ray = False
 
     @property
@@ -97,8 +100,9 @@ class Cluster:
         return self.server.address
 
     def start(self) -> "Cluster":
-        """Start (or join) Ray, start both pools, open the router; returns once both pools are
-        ready and the health service says SERVING. Raises (after cleaning up) on failure."""
+        """Start (or join) Ray, start both pools (or attach to the ones this cluster_name runs
+        there), open the router; returns once both pools are ready and the health service says
+        SERVING. Raises (after cleaning up what it started) on failure."""
         try:
             started = time.monotonic()
             self.start_ray()
@@ -114,7 +118,9 @@ class Cluster:
                 two_batch_overlap=f"{c.prefill.two_batch_overlap}/{c.decode.two_batch_overlap}",
                 dtype=c.dtype,
             )
-            self.pools = {name: Pool(name, c, self.cluster_id) for name in ("prefill", "decode")}
+            opened = open_pools(c)
+            self.pools, self.cluster_id = opened.pools, opened.cluster_id
+            self.attached = opened.attached
             self.backend = ClusterBackend(
                 self.pools["prefill"].handles(),
                 self.pools["decode"].handles(),
@@ -154,13 +160,16 @@ class Cluster:
                     c.http_port, c.model, self.metrics.registry, chat_template(path)
                 )
                 log.info("OpenAI-compatible HTTP on http://%s:%d/v1", c.host, port)
-            self.server.call(asyncio.wait_for(self._start_pools(), c.start_timeout_s))
+            self.server.call(asyncio.wait_for(self._start_pools(opened.to_form), c.start_timeout_s))
             if not self.server.wait_ready(30):
                 raise RuntimeError("the pools started but the router never became ready")
-            log.info("cluster ready in %.1f s", time.monotonic() - started)
+            how = "attached to the running pools" if self.attached else "started its pools"
+            log.info("cluster ready in %.1f s (%s)", time.monotonic() - started, how)
             return self
         except BaseException:
-            self.shutdown()
+            # NOTE: pools this router attached to stay (the next router may serve them); pools
+            # it was starting go
+            self.shutdown(remove_pools=None if self.attached else True)
             raise
 
     @property
@@ -197,11 +206,17 @@ class Cluster:
             "metrics on http://%s/metrics (discovery: /sd/targets)", self.metrics_server.endpoint
         )
 
-    async def _start_pools(self) -> None:
+    async def _start_pools(self, names: list[str]) -> None:
+        """Join the new actors of the pools `names` (all of them at a first start; none, or a
+        broken one, when attaching); with p2p the others' ranks join the new KV group too."""
         kv_master = None
-        if self.config.kv_transport == "p2p":
+        if self.config.kv_transport == "p2p" and names:
             kv_master = await self.pools["prefill"].kv_master()
-        await asyncio.gather(*(pool.start(kv_master) for pool in self.pools.values()))
+        others = [a for n, p in self.pools.items() if n not in names for a in p.actors]
+        await asyncio.gather(
+            *(self.pools[n].start(kv_master) for n in names),
+            *(a.rejoin_kv.remote(kv_master) for a in others if kv_master is not None),
+        )
         await self.backend.start()
 
     async def reform(self, name: str, placement: dict | None = None) -> list:
@@ -213,13 +228,17 @@ class Cluster:
         if placement is not None:
             pool.placement = placement
         started = time.monotonic()
+        wait = self.config.start_timeout_s  # then Pools retries: a new generation
         if self.config.kv_transport != "p2p":
-            await pool.reform()
+            await asyncio.wait_for(pool.reform(), wait)
         else:
             other = self.pools["decode" if name == "prefill" else "prefill"]
             kv_master = await other.kv_master()
-            await asyncio.gather(
-                pool.reform(kv_master), *(a.rejoin_kv.remote(kv_master) for a in other.actors)
+            await asyncio.wait_for(
+                asyncio.gather(
+                    pool.reform(kv_master), *(a.rejoin_kv.remote(kv_master) for a in other.actors)
+                ),
+                wait,
             )
         log.info("%s pool re-formed in %.1f s", name, time.monotonic() - started)
         return pool.handles()
@@ -249,13 +268,15 @@ class Cluster:
             # this machine last wrote to /tmp/ray/ray_current_cluster (even a dead one).
             _start_local_ray(num_cpus=max(os.cpu_count() or 1, ranks * c.cpus_per_rank))
         else:
-            ray.init(address=c.ray_address, log_to_driver=False)
+            ray.init(address=c.ray_address, namespace=registry.NAMESPACE, log_to_driver=False)
         self._owns_ray = True
 
-    def shutdown(self, drain_s: float | None = None) -> None:
+    def shutdown(self, drain_s: float | None = None, remove_pools: bool | None = None) -> None:
         """Drain the router (no new requests; in-flight streams get drain_s, by default the
-        config's drain_timeout_s, to finish, then are aborted), kill the ranks, free the
-        placement groups, and stop Ray if this cluster started it. Idempotent."""
+        config's drain_timeout_s, to finish, then are aborted); remove the pools (kill the
+        ranks, free the placement groups) when remove_pools, by default unless the config keeps
+        them (keep_pools: by default on a joined Ray); stop Ray if this cluster started it.
+        Idempotent."""
         if self.server is not None:
             grace = self.config.drain_timeout_s if drain_s is None else drain_s
             self.server.stop(grace, then=self.backend.close() if self.backend else None)
@@ -263,13 +284,23 @@ class Cluster:
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
-        for pool in self.pools.values():
-            pool.shutdown()
+        if remove_pools is None:
+            remove_pools = not self.config.keeps_pools
+        if self.pools and remove_pools:
+            for pool in self.pools.values():
+                pool.kill_actors()
+            log.info("removed: %s", ", ".join(registry.remove_pools(self.config.cluster_name)))
+            # the file stores of this cluster's groups (ranks killed by SIGKILL leave theirs)
+            for path in glob.glob(f"{tempfile.gettempdir()}/epcluster-{self.cluster_id}-*"):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+        elif self.pools:
+            log.info(
+                "the pools of cluster %r keep running (a router started on this Ray cluster "
+                "attaches to them; `epcluster stop` removes them)",
+                self.config.cluster_name,
+            )
         self.pools = {}
-        # the file stores of this cluster's groups (ranks killed by SIGKILL leave theirs)
-        for path in glob.glob(f"{tempfile.gettempdir()}/epcluster-{self.cluster_id}-*"):
-            with contextlib.suppress(OSError):
-                os.remove(path)
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
