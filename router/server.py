@@ -1,5 +1,8 @@
 """The router's gRPC edge: the epcluster.v1.Inference service on grpc.aio, plus the standard
-health service (NOT_SERVING until the backend is ready) and server reflection.
+health service and server reflection. Health answers two questions: service "" and the served
+services are readiness (NOT_SERVING until the backend can take work, and while a pool
+re-forms); service LIVENESS_SERVICE is the process (SERVING from the start until shutdown: a
+probe that restarts the router watches it, so a re-form never restarts the router).
 
 Generate: validate (INVALID_ARGUMENT), then router/frontend.py's request path (admission,
 readiness, streaming, aborts on early ends), its refusals as gRPC statuses.
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "epcluster.v1.Inference"
 VLLM_SERVICE_NAME = "vllm.grpc.engine.VllmEngine"  # router/vllm_grpc.py
+LIVENESS_SERVICE = "liveness"  # health service: SERVING while the router's loop answers
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 RETRY_PUSHBACK = "grpc-retry-pushback-ms"  # how long a client should wait before a retry
 Status = tuple[grpc.StatusCode, str]
@@ -191,9 +195,11 @@ class RouterServer:
                 then.close()
             return
         try:
-            self._run(self._stop(grace))
-            if then is not None:
-                self._run(then)
+            try:
+                self._run(self._stop(grace))
+            finally:  # the backend closes even when the stop failed part way
+                if then is not None:
+                    self._run(then)
         finally:
             self._close_loop()
 
@@ -243,6 +249,8 @@ class RouterServer:
         reflection.enable_server_reflection(names, self._server)
         for service in ("", *self.services):
             await self._health.set(service, _NOT_SERVING)
+        # NOTE: answered on this loop: a wedged loop misses the probe, a re-form does not
+        await self._health.set(LIVENESS_SERVICE, _SERVING)
         bracketed = f"[{host}]" if ":" in host else host
         credentials = self.security.credentials()
         if credentials is None:
@@ -288,7 +296,10 @@ class RouterServer:
         await self.frontend.settle()
         if self._http is not None:
             self._http.should_exit = True
-            await asyncio.wait_for(self._http_task, 30)
+            try:  # HTTP streams that outlive the grace: cancelled with the task
+                await asyncio.wait_for(self._http_task, 30)
+            except TimeoutError:
+                log.warning("the HTTP server did not stop in 30 s: cancelled")
 
     def _run(self, coro: object) -> object:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

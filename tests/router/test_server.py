@@ -418,6 +418,7 @@ def test_health_is_not_serving_until_the_backend_is_ready():
         with InferenceClient(server.address, timeout=10) as c:
             assert c.health() == "NOT_SERVING"
             assert c.health("epcluster.v1.Inference") == "NOT_SERVING"
+            assert c.health("liveness") == "SERVING"  # the process: what a liveness probe asks
             assert not server.wait_ready(0.1)
             with pytest.raises(grpc.RpcError) as err:  # waited ready_wait_s, then gave up
                 c.complete([5, 6], QUICK)
@@ -439,6 +440,7 @@ def test_health_is_not_serving_until_the_backend_is_ready():
             while c.health() == "SERVING" and time.monotonic() < end:
                 time.sleep(0.02)
             assert c.health() == "NOT_SERVING"
+            assert c.health("liveness") == "SERVING"  # a backend down never restarts the router
     finally:
         server.stop()
         local.close()
