@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from engine.handoff import LeaseLapsed
 from engine.kv_transfer import KVTransport
-from engine.messages import GenerateRequest, RequestOutput, StepResult
+from engine.messages import GenerateRequest, RankStopped, RequestOutput, StepResult
 from engine.rank import Rank, RankConfig
 
 
@@ -79,7 +80,9 @@ class DecodeWorker(Rank):
 
     async def discard_kv(self, kv_handle: Any) -> None:
         """The request ended between its prefill and its start here: take the KV off the
-        transport anyway and drop it."""
+        transport anyway and drop it (None: there was no KV)."""
+        if kv_handle is None:
+            return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._kv_threads, self.transport.discard, kv_handle)
 
@@ -124,8 +127,13 @@ class DecodeWorker(Rank):
                 queue.put_nowait(deltas)
 
     def on_engine_stopped(self, error: BaseException | None) -> None:
+        """Every router's stream raises RankStopped, naming the requests of the step that
+        stopped the engine (the router recognises a poison request by them). A request that
+        failed alone (RequestOutput.failure) is not this: its delta goes out like any other."""
+        suspects = self.loop.suspects if self.loop is not None else ()
         for queue in self._streams.values():
-            queue.put_nowait(RuntimeError(f"decode rank {self.config.rank} stopped: {error!r}"))
+            why = f"decode rank {self.config.rank} stopped: {error!r}"
+            queue.put_nowait(RankStopped(why, suspects))
 
     # ---- router leases ----
 
@@ -136,13 +144,18 @@ class DecodeWorker(Rank):
             )
 
     async def _reap_routers(self) -> None:
-        """Abort the requests of routers whose lease ran out (they died or lost us)."""
+        """Abort the requests of routers whose lease ran out (they died or lost us), and end
+        their streams with LeaseLapsed: a router that is alive after all opens a new stream
+        and resumes those requests, where a stream left open would drop its deltas for good."""
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for router_id in [r for r, end in self._leases.items() if end < now]:
                 del self._leases[router_id]
-                self._streams.pop(router_id, None)
+                queue = self._streams.pop(router_id, None)
+                if queue is not None:
+                    why = f"decode rank {self.config.rank} dropped router {router_id}'s lease"
+                    queue.put_nowait(LeaseLapsed(why))
                 for rid in [r for r, owner in self._owner.items() if owner == router_id]:
                     with contextlib.suppress(Exception):
                         await self.abort(rid)

@@ -22,16 +22,16 @@ from engine.messages import (
     KVPayload,
     PrefillResult,
     RankStatus,
+    RequestFailed,
     RequestOutput,
     Resume,
     StepResult,
 )
 from engine.model_info import PromptLimits, check_prompt
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, RunOutput
 from engine.rank_metrics import RankStats
 from engine.request import Request
-from engine.sampler import SampleOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.tokenizer import Tokenizer, load_tokenizer
 from moe.loader import load_model, resolve_model_path
@@ -93,6 +93,10 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode), lifetime
+        self.num_failed = 0  # requests failed alone (their rows raised), lifetime
+        # The requests of the step being run (empty between steps): if the step raises and the
+        # engine stops, these are the suspects (RankStopped.suspects).
+        self._stepping: list[Request] = []
 
     def _max_model_len(self) -> int:
         """The context limit: the config's or the model's, lowered (with a warning) to what this
@@ -145,12 +149,17 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. seed: overrides params.seed (the router resolves it); prefill_only:
         stop after the first token and export the prompt's KV (a prefill rank's job); resume:
-        the output the client already has (a request resumed after a rank failure)."""
+        the output the client already has (a request resumed after a rank failure).
+
+        NOTE: everything is validated again here, on the rank (ValueError), whatever the router
+        checked: the params are copied (the copy runs SamplingParams' checks, which fields set
+        after construction skipped), so no value reaches a tensor unchecked."""
         self._check_new_id(request_id)
-        params = params or SamplingParams()
+        params = _checked(params or SamplingParams())
         ids = self.validate_prompt(prompt)
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        _check_seed(seed)
         req = Request(
             request_id, ids, params, seed, next(self._arrivals), prefill_only=prefill_only
         )
@@ -183,15 +192,28 @@ class LLMEngine:
     def reserve(self, request_id: str, prompt_token_ids: list[int], deadline: float) -> bool:
         """Hold KV blocks for a prompt whose KV a prefill rank will send, so it never arrives to
         a full cache. False when there is no room now. Released by start_prefilled, abort, or
-        after `deadline` (time.monotonic())."""
+        after `deadline` (time.monotonic()). ValueError for token ids outside the vocabulary or
+        the context."""
         self._check_new_id(request_id)
+        check_prompt(prompt_token_ids, self.prompt_limits)
         return self.reservations.reserve(request_id, prompt_token_ids, deadline)
 
     def start_prefilled(
         self, request: GenerateRequest, first: RequestOutput, kv: KVPayload
     ) -> Request:
         """Continue a request a prefill rank started: import its prompt KV into the reserved
-        blocks and join the running batch with its first token."""
+        blocks and join the running batch with its first token. ValueError (the reservation
+        released) for a request that does not pass the checks of add_request."""
+        try:
+            request = dataclasses.replace(request, params=_checked(request.params))
+            _check_seed(request.seed)
+            check_prompt(request.known_token_ids, self.prompt_limits)
+            vocab = self.prompt_limits.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in first.token_ids):
+                raise ValueError(f"first token ids {first.token_ids!r} are outside [0, {vocab})")
+        except ValueError:
+            self.reservations.release(request.request_id)
+            raise
         req = self.reservations.start(request, first, kv, next(self._arrivals), self.tokenizer)
         self.requests[req.request_id] = req
         self.scheduler.admit_running(req)
@@ -214,7 +236,9 @@ class LLMEngine:
         if self.ep_size == 1:
             if batch.is_empty:
                 return StepResult()
+            self._stepping = batch.requests
             result = self.postprocess(batch, self.runner.run(batch.requests, batch.num_new_tokens))
+            self._stepping = []
             self._record_step(started, batch, None)
             return result
         num_tokens = sum(batch.num_new_tokens)
@@ -233,10 +257,19 @@ class LLMEngine:
             return StepResult()
         mode = self.config.two_batch_overlap
         split = mode == "on" or (mode == "auto" and max_tokens >= self.config.tbo_min_tokens)
+        # NOTE: set after the agreement: a rank whose all-reduce fails (a peer died) has no
+        # suspects of its own.
+        self._stepping = batch.requests
         sampled = self.runner.run(batch.requests, batch.num_new_tokens, split)
         result = self.postprocess(batch, sampled) if batch.requests else StepResult()
+        self._stepping = []
         self._record_step(started, batch, split)
         return result
+
+    def suspects(self) -> tuple[str, ...]:
+        """The ids of the requests in the step that is running, or that raised (none between
+        steps): read when the step's exception stopped the engine."""
+        return tuple(r.request_id for r in self._stepping)
 
     def _record_step(self, started: float, batch: ScheduledBatch, split: bool | None) -> None:
         """Counters for the rank's metrics (plain adds on this thread; read at scrape)."""
@@ -262,29 +295,57 @@ class LLMEngine:
         s.set("epcluster_alltoall_bytes_total", comm.dispatch_bytes, "dispatch")
         s.set("epcluster_alltoall_bytes_total", comm.combine_bytes, "combine")
 
-    def postprocess(self, batch: ScheduledBatch, sampled: SampleOutput | None) -> StepResult:
+    def postprocess(self, batch: ScheduledBatch, sampled: RunOutput) -> StepResult:
+        """Each request's new token, finish and hand-off. A request whose rows failed in the
+        runner, or whose own postprocessing raises, ends alone with finish_reason "error"."""
         result = StepResult()
-        tokens = sampled.token_ids.tolist() if sampled is not None else []
         j = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
+            failed = sampled.failed.get(req.request_id)
+            if failed is not None:
+                result.outputs.append(self._fail(req, *failed))
+                continue
             req.num_computed_tokens += n
             self.num_computed_tokens += n
-            self.block_manager.commit(req.block_table, req.all_token_ids, req.num_computed_tokens)
             if req.num_computed_tokens < req.num_tokens:
+                self.block_manager.commit(
+                    req.block_table, req.all_token_ids, req.num_computed_tokens
+                )
                 continue  # a prompt chunk: nothing sampled yet
-            req.output_token_ids.append(tokens[j])
-            if sampled.logprobs[j] is not None:
-                req.logprobs.append(sampled.logprobs[j])
+            token, logprobs = sampled.token_ids[j], sampled.logprobs[j]
             j += 1
-            reason = self._finish_reason(req)
-            if reason is None and req.prefill_only:  # hand off to a decode rank
-                result.prefilled.append(self._export(req))
-                continue
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
-            result.outputs.append(req.take_delta())
+            try:
+                self._advance(req, token, logprobs, result)
+            except Exception as e:  # this request's text or KV export: it alone fails
+                result.outputs.append(self._fail(req, "postprocessing", e))
         return result
+
+    def _advance(self, req: Request, token: int, logprobs, result: StepResult) -> None:
+        """req sampled `token`: append it, then finish, hand off or report the delta."""
+        self.block_manager.commit(req.block_table, req.all_token_ids, req.num_computed_tokens)
+        req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        reason = self._finish_reason(req)
+        if reason is None and req.prefill_only:  # hand off to a decode rank
+            result.prefilled.append(self._export(req))
+            return
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            self.requests.pop(req.request_id, None)
+        result.outputs.append(req.take_delta())
+
+    def _fail(self, req: Request, stage: str, error: BaseException) -> RequestOutput:
+        """End one request with an error (its blocks go back); the engine goes on."""
+        log.warning("request %s failed in %s: %r", req.request_id, stage, error)
+        self.num_failed += 1
+        if not req.is_finished:
+            self.scheduler.finish(req, "error")
+        self.requests.pop(req.request_id, None)
+        out = req.take_delta()
+        out.finish_reason = "error"
+        out.failure = RequestFailed.caused_by(req.request_id, stage, error)
+        return out
 
     def _export(self, req: Request) -> PrefillResult:
         """A prefill-only request whose prompt is done: its first token and prompt KV leave the
@@ -352,3 +413,15 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+
+def _checked(params: SamplingParams) -> SamplingParams:
+    """A validated copy (dataclasses.replace runs __post_init__ again); ValueError if invalid."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    return dataclasses.replace(params)
+
+
+def _check_seed(seed: object) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < MAX_SEED:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {type(seed).__name__}")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.messages import StepResult
+from engine.messages import RankStopped, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,13 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # NOTE: submit's check and put, and the dying loop's closing, hold this lock: a call
+        # can never land in the inbox after the loop failed what it held (its future would
+        # never resolve).
+        self._lock = threading.Lock()
+        self._closed = False
         self.error: BaseException | None = None
+        self.suspects: tuple[str, ...] = ()  # the requests of the step that killed the loop
         self.num_steps = 0
         self.num_rounds = 0  # turns of the loop, steps or idle waits (a spinning loop shows)
         self.last_progress = time.monotonic()  # when the thread last began a turn
@@ -61,13 +67,20 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """Run fn(engine) on the engine thread before its next step; -> a future of the result."""
+        """Run fn(engine) on the engine thread before its next step; -> a future of the result
+        (RankStopped when the loop is not running, or stops before it runs fn)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.alive:
-            future.set_exception(RuntimeError(f"the engine loop is not running ({self.error!r})"))
-            return future
-        self._inbox.put((fn, future))
+        with self._lock:
+            if self.alive and not self._closed:
+                self._inbox.put((fn, future))
+                return future
+        future.set_exception(self.stopped("the engine loop is not running"))
         return future
+
+    def stopped(self, what: str) -> RankStopped:
+        """The error for a call the stopped loop cannot serve (with the suspects, if a step's
+        exception stopped it)."""
+        return RankStopped(f"{what} ({self.error!r})", self.suspects)
 
     def _busy(self) -> bool:
         e = self.engine
@@ -117,9 +130,12 @@ class EngineLoop:
                         self._drain(self.idle_wait_s)
         except BaseException as e:  # a dead engine must be visible, not silent
             self.error = e
-            log.exception("engine loop died")
+            self.suspects = self.engine.suspects()
+            log.exception("engine loop died (requests in its step: %s)", self.suspects)
             self._stop.set()
         finally:
+            with self._lock:
+                self._closed = True  # nothing enters the inbox from now on
             self._drain(0.0)  # calls that raced with stop() still run (aborts, last words)
             self._fail_pending()
             if self.on_stop is not None:
@@ -132,4 +148,4 @@ class EngineLoop:
             except queue.Empty:
                 return
             if item is not None and not item[1].done():
-                item[1].set_exception(RuntimeError(f"the engine loop stopped ({self.error!r})"))
+                item[1].set_exception(self.stopped("the engine loop stopped"))

@@ -14,8 +14,43 @@ from engine.sampling_params import SamplingParams
 
 class RankStopped(RuntimeError):
     """Raised by a rank for the requests it held when its engine stopped (a collective failed: a
-    peer of its pool died): the rank is lost until its pool re-forms, and the router resumes
-    those requests elsewhere, as for a rank that died (cluster/handles.py: RankFailed)."""
+    peer of its pool died), and for every call after: the rank is lost until its pool re-forms,
+    and the router resumes those requests elsewhere, as for a rank that died
+    (cluster/handles.py: RankFailed).
+
+    suspects: the ids of the requests in the step whose exception stopped the engine (empty
+    when it stopped between steps, or was stopped): the router resumes a request found there
+    once, not twice (a poison request is recognised, not retried on everyone's time)."""
+
+    def __init__(self, message: str, suspects: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.suspects = tuple(suspects)
+
+    def __reduce__(self) -> tuple:  # NOTE: crosses processes (Ray pickles a rank's exception)
+        return (type(self), (str(self), self.suspects))
+
+
+class RequestFailed(Exception):
+    """One request failed on a rank (its rows could not be prepared or sampled, or it was
+    recognised as poison): that request ends with this error; the rank, its pool and the other
+    requests go on. invalid: the cause was the request's own parameters (a ValueError: the
+    client gets INVALID_ARGUMENT), else INTERNAL."""
+
+    def __init__(self, message: str, invalid: bool = False) -> None:
+        super().__init__(message)
+        self.message, self.invalid = message, invalid
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.message, self.invalid))
+
+    @classmethod
+    def caused_by(cls, request_id: str, stage: str, error: BaseException) -> "RequestFailed":
+        """The error a request ends with when `stage` ("sampling", ...) raised `error`."""
+        cause = (str(error).strip().splitlines() or [""])[0][:200]
+        return cls(
+            f"request {request_id} failed in {stage}: {type(error).__name__}: {cause}",
+            invalid=isinstance(error, ValueError),
+        )
 
 
 # ---- requests and their tokens ----
@@ -67,11 +102,14 @@ class RequestOutput:
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # None while running, else "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running, else "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_completion_tokens: int  # so far, in the whole request
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None
+    # With finish_reason "error": why. NOTE: never reaches a protocol: every backend raises it
+    # instead of yielding the delta (the frontend turns it into the client's status).
+    failure: RequestFailed | None = None
 
     @property
     def finished(self) -> bool:
@@ -85,6 +123,7 @@ class RequestOutput:
         self.finish_reason = delta.finish_reason
         self.num_completion_tokens = delta.num_completion_tokens
         self.num_cached_tokens = delta.num_cached_tokens
+        self.failure = delta.failure
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         return self

@@ -5,18 +5,36 @@ NB cache blocks, BS block size, C latent width.
 """
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig
+from engine.messages import TokenLogprobs
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
+from engine.sampling_params import SamplingParams
 from kernels.cpu import cpu_kernels
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
 from moe.overlap import Stages, run_interleaved
 
 log = logging.getLogger(__name__)
+
+
+class _PrepareFailed(Exception):
+    """Building the step's input tensors raised (before any collective ran)."""
+
+
+@dataclass(slots=True)
+class RunOutput:
+    """What one step sampled: a token (and its logprobs) per request whose prompt is complete,
+    in batch order, and the requests whose rows failed (left out of token_ids)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # request id -> (the stage that raised: "preparing" | "sampling", the exception)
+    failed: dict[str, tuple[str, BaseException]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -103,8 +121,30 @@ class ModelRunner:
         if not requests:  # an empty batch still joins every collective of an EP step
             empty = torch.empty(0, dtype=torch.long, device=self.config.device)
             return self.model.stages(empty, empty, [])
-        input_ids, positions, kv = self.prepare(requests, num_new)
+        try:
+            input_ids, positions, kv = self.prepare(requests, num_new)
+        except Exception as e:
+            raise _PrepareFailed(repr(e)) from e
         return self.model.stages(input_ids, positions, kv=kv)
+
+    def _preparable(
+        self,
+        requests: list[Request],
+        num_new: list[int],
+        failed: dict[str, tuple[str, BaseException]],
+    ) -> tuple[list[Request], list[int]]:
+        """The requests whose inputs build alone (the others go into `failed`). Only after the
+        batch's prepare raised: one request's bad rows must not fail the whole step."""
+        kept, kept_new = [], []
+        for req, n in zip(requests, num_new, strict=True):
+            try:
+                self.prepare([req], [n])
+            except Exception as e:
+                failed[req.request_id] = ("preparing", e)
+                continue
+            kept.append(req)
+            kept_new.append(n)
+        return kept, kept_new
 
     def forward(self, requests: list[Request], num_new: list[int], split: bool) -> torch.Tensor:
         """-> hidden [T, D] of the step's tokens, in order. With split, two micro-batches of
@@ -120,17 +160,26 @@ class ModelRunner:
         return torch.cat(run_interleaved([self._stages(r, n) for r, n in parts]))
 
     @torch.inference_mode()
-    def run(
-        self, requests: list[Request], num_new: list[int], split: bool = False
-    ) -> SampleOutput | None:
+    def run(self, requests: list[Request], num_new: list[int], split: bool = False) -> RunOutput:
         """Compute the step; sample for requests whose prompt is complete after it (in order of
-        `requests`, skipping unfinished prefill chunks). None if nobody samples."""
+        `requests`, skipping unfinished prefill chunks).
+
+        NOTE: a request whose inputs cannot be built, or whose row cannot be sampled, fails
+        alone (RunOutput.failed): the step goes on for the others, with the same tokens they
+        would have had without it (sampling is a function of seed and position, row by row).
+        An exception in the forward pass itself (a collective, the model) still ends the step.
+        """
+        out = RunOutput()
         if self.graphs is not None and not split and self.graphs.serves(requests, num_new):
             hidden = self.graphs.run(requests)  # [B, D]
         else:
-            hidden = self.forward(requests, num_new, split)  # [T, D]
+            try:
+                hidden = self.forward(requests, num_new, split)  # [T, D]
+            except _PrepareFailed:  # raised before any collective: build the others' alone
+                requests, num_new = self._preparable(requests, num_new, out.failed)
+                hidden = self.forward(requests, num_new, split)
         if not requests:
-            return None
+            return out
         last = torch.tensor(num_new).cumsum(0) - 1  # [B] index of each request's last token
         samplers = [
             i
@@ -138,12 +187,34 @@ class ModelRunner:
             if r.num_computed_tokens + n == r.num_tokens
         ]
         if not samplers:
-            return None
+            return out
         logits = self.model.compute_logits(hidden[last[samplers]])  # [n, V]
         chosen = [requests[i] for i in samplers]
-        return sample(
-            logits,
-            [r.params for r in chosen],
-            [r.seed for r in chosen],
-            [r.num_tokens for r in chosen],
-        )
+        params = [r.params for r in chosen]
+        seeds, positions = [r.seed for r in chosen], [r.num_tokens for r in chosen]
+        try:
+            sampled = self.sample(logits, params, seeds, positions)
+        except Exception:  # find the rows that fail alone; the others sample as they would have
+            for i, req in enumerate(chosen):
+                try:
+                    one = self.sample(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1],
+                                      positions[i : i + 1])  # fmt: skip
+                except Exception as e:
+                    out.failed[req.request_id] = ("sampling", e)
+                    continue
+                out.token_ids.append(one.token_ids.item())
+                out.logprobs.append(one.logprobs[0])
+            return out
+        out.token_ids, out.logprobs = sampled.token_ids.tolist(), sampled.logprobs
+        return out
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seeds: list[int],
+        positions: list[int],
+    ) -> SampleOutput:
+        """engine.sampler.sample over logits [B, V] (a method, so that a test can make one
+        request's sampling fail on a live rank)."""
+        return sample(logits, params, seeds, positions)

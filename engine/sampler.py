@@ -68,7 +68,9 @@ def filter_logits(
     probs = sorted_logits.softmax(dim=-1)  # [B, V]
     mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
     # Rounding can push the running sum past 1.0, so p = 1 must skip the filter, not compare.
-    drop_p = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    # NOTE: rank 0 is kept explicitly: a top_p under 1.4e-45 is 0 in float32, and mass 0 >= 0
+    # would drop every token (softmax of all -inf is nan, and argmax then says token 0).
+    drop_p = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (rank[None, :] > 0)
     sorted_logits = sorted_logits.masked_fill(drop_p, float("-inf"))
 
     # Step 3: min-p drops tokens below min_p * the top prob. The ratio of two kept probs does not

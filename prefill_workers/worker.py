@@ -33,7 +33,8 @@ class PrefillWorker(Rank):
         """Run the prompt; -> (first delta, the transport's handle of the prompt's KV for the
         decode rank). The handle is None when the request already finished with its first token
         (EOS, max_tokens=1, a stop). kv_dst: the decode rank's index in the KV transport group.
-        Raises PrefillAborted when the request is aborted meanwhile.
+        Raises PrefillAborted when the request is aborted meanwhile, RequestFailed when it
+        failed alone here (its rows could not be sampled), RankStopped when the engine stopped.
         """
         rid = request.request_id
         future = asyncio.get_running_loop().create_future()
@@ -86,15 +87,24 @@ class PrefillWorker(Rank):
 
     def on_step(self, result: StepResult) -> None:
         for delta in result.outputs:
-            if delta.finished:
+            if delta.failure is not None:  # failed alone: its prefill call raises the error
+                future = self._waiting.get(delta.request_id)
+                if future is not None and not future.done():
+                    future.set_exception(delta.failure)
+            elif delta.finished:
                 self._resolve(delta.request_id, delta, None)
         for handed_off in result.prefilled:
             self._resolve(handed_off.first.request_id, handed_off.first, handed_off.kv)
 
     def on_engine_stopped(self, error: BaseException | None) -> None:
+        """Every waiting prefill raises RankStopped, naming the requests of the step that
+        stopped the engine (the router recognises a poison request by them)."""
+        suspects = self.loop.suspects if self.loop is not None else ()
         for rid, future in list(self._waiting.items()):
             if not future.done():
-                future.set_exception(RankStopped(f"the engine stopped ({error!r}): {rid}"))
+                future.set_exception(
+                    RankStopped(f"the engine stopped ({error!r}): {rid}", suspects)
+                )
 
     def _resolve(self, rid: str, first: RequestOutput, kv: KVPayload | None) -> None:
         future = self._waiting.get(rid)

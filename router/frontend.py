@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from engine.messages import GenerateRequest, RequestOutput
+from engine.messages import GenerateRequest, RequestFailed, RequestOutput
 from router.admission import Admission
 from router.backend import Backend, Overloaded, Unavailable
 from router.metrics import RouterMetrics
@@ -170,6 +170,10 @@ def _refused_by(req: GenerateRequest, e: Exception, written: bool) -> Refused:
     """What a backend failure becomes. The message is one line: the full traceback (and any
     remote one) goes to the log, never to the client."""
     cause = (str(e).strip().splitlines() or [""])[0][:300]
+    if isinstance(e, RequestFailed):  # this request alone failed on a rank (or is poison)
+        if not e.invalid:
+            log.error("request %s failed: %s", req.request_id, cause)
+        return Refused(INVALID if e.invalid else INTERNAL, cause)
     if isinstance(e, Overloaded):
         return Refused(EXHAUSTED, cause)
     if isinstance(e, Unavailable):

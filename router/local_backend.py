@@ -8,6 +8,7 @@ while the engine has work and otherwise sleeps on the inbox (never spins).
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -89,7 +90,10 @@ class LocalBackend:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
-        self._loop.submit(lambda _: self._add(request, _Stream(loop, deltas, request.deadline)))
+        stream = _Stream(loop, deltas, request.deadline)
+        added = self._loop.submit(lambda _: self._add(request, stream))
+        # NOTE: a loop that stopped before adding it fails the future: the stream must end too.
+        added.add_done_callback(lambda f: _deliver_failure(stream, f))
         finished = False
         try:
             while not finished:
@@ -167,12 +171,20 @@ class LocalBackend:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            if not _deliver(stream, out):  # its event loop is gone: nobody listens
+            # a request that failed alone: its stream raises the error, never yields the delta
+            if not _deliver(stream, out.failure or out):  # its loop is gone: nobody listens
                 self._abort(out.request_id)
 
     def _status(self) -> ClusterStatus:
         rank = self.engine.rank_status("local", 0, self.ready())
         return ClusterStatus(pools=[PoolStatus("local", [rank])], num_in_flight=len(self._streams))
+
+
+def _deliver_failure(stream: _Stream, future: concurrent.futures.Future) -> None:
+    """If the call that adds the request failed (the loop stopped first), end its stream."""
+    error = future.exception()
+    if error is not None:
+        _deliver(stream, error)
 
 
 def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> bool:
