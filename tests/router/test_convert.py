@@ -163,3 +163,47 @@ def test_prompts_get_the_engines_check(ids, message):
         ).prompt_token_ids
         == [5] * 11
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (2**31, "top_k must be an integer in [-2147483648, 2147483647], got 2147483648"),
+        (2**70, "got 1180591620717411303424"),
+        (10**400, "got a 1329-bit integer"),  # not echoed whole
+        (True, "top_k must be an integer, got bool"),
+        (1.0, "top_k must be an integer, got float"),
+    ],
+)
+def test_check_int_names_the_field(value, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        convert.check_int("top_k", value, -(2**31), 2**31 - 1)
+
+
+def test_check_float_and_bounds():
+    assert convert.check_float("top_p", 1) == 1.0 and convert.check_float("top_p", 0.5) == 0.5
+    for value, fragment in [
+        (10**400, "too large for a float"),
+        (float("nan"), "got nan"),
+        (float("-inf"), "got -inf"),
+        ("0.5", "must be a number, got str"),
+        (None, "must be a number, got NoneType"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            convert.check_float("top_p", value)
+    convert.check_bounds({"max_tokens": 2**31 - 1, "seed": 2**63 - 1, "stop": ["x"]})
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        convert.check_bounds({"seed": 2**63})
+
+
+def test_conversion_cost_counts_text_and_token_ids():
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+    assert convert.conversion_cost(pb.GenerateRequest(text="abcd")) == 4
+    msg = pb.GenerateRequest()
+    msg.token_ids.ids.extend(range(100_000))
+    assert convert.conversion_cost(msg) == 100_000  # off the loop past BIG_TEXT
+    assert convert.conversion_cost(pb.GenerateRequest()) == 0
+    tokenized = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]))
+    assert convert.conversion_cost(tokenized) == 3
+    assert convert.conversion_cost(vpb.GenerateRequest(text="xy")) == 2

@@ -3,6 +3,7 @@ stubs: Generate streamed and not gives epcluster.v1's tokens; the management RPC
 epcluster cannot honour is refused (UNIMPLEMENTED), bad values are INVALID_ARGUMENT; health has
 the engine service's name; a cancelled stream frees its blocks."""
 
+import asyncio
 import hashlib
 import io
 import zipfile
@@ -15,8 +16,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
 from engine import SamplingParams
 from moe import resolve_model_path
+from router import vllm_grpc
 from router.client import InferenceClient
 from router.server import serve
+from router.vllm_grpc import tokenizer_zip
 from tests.router.conftest import wait_idle
 
 MODEL = "tiny-random"
@@ -93,6 +96,11 @@ def test_logprobs_and_text_input(stub):
         ({"logit_bias": {5: 1.0}}, grpc.StatusCode.UNIMPLEMENTED, "logit_bias"),
         ({"temperature": -1}, grpc.StatusCode.INVALID_ARGUMENT, "temperature must be in [0,"),
         ({"stop_token_ids": [512]}, grpc.StatusCode.INVALID_ARGUMENT, "must be in [0, 512)"),
+        # uint32 on vLLM's wire: past int32, the bound every front end shares
+        ({"top_k": 2**32 - 1}, grpc.StatusCode.INVALID_ARGUMENT, "top_k must be an integer in"),
+        ({"max_tokens": 2**31}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be an"),
+        ({"seed": -1}, grpc.StatusCode.INVALID_ARGUMENT, "seed must be"),
+        ({"temperature": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "must be finite"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused(stub, sampling, code, fragment):
@@ -120,10 +128,23 @@ def test_bad_inputs(stub):
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_management_rpcs(server, stub):
+def test_management_rpcs(server, stub, monkeypatch):
+    zipped = []  # per call: whether it ran off the event loop
+
+    def counted(checkpoint):
+        try:
+            asyncio.get_running_loop()
+            zipped.append(False)
+        except RuntimeError:
+            zipped.append(True)
+        return tokenizer_zip(checkpoint)
+
+    monkeypatch.setattr(vllm_grpc, "tokenizer_zip", counted)
     assert stub.HealthCheck(vpb.HealthCheckRequest()).healthy
     info = stub.GetModelInfo(vpb.GetModelInfoRequest())
     assert (info.served_model_name, info.vocab_size, info.max_context_length) == (MODEL, 512, 2048)
+    # the model's name, never the router's checkpoint directory (an absolute path on its host)
+    assert info.model_path == info.tokenizer_path == MODEL
     server_info = stub.GetServerInfo(vpb.GetServerInfoRequest())
     assert server_info.server_type == "vllm-grpc" and server_info.active_requests == 0
     loads = stub.GetLoads(vpb.GetLoadsRequest())
@@ -133,6 +154,9 @@ def test_management_rpcs(server, stub):
     assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
     names = zipfile.ZipFile(io.BytesIO(data)).namelist()
     assert "tokenizer.json" in names and "config.json" in names
+    # built once per router (the first call, above), off the loop: later calls get its bytes
+    again = b"".join(c.data for c in stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    assert again == data and zipped == [True]
     with InferenceClient(server.address, timeout=10) as client:
         assert client.health("vllm.grpc.engine.VllmEngine") == "SERVING"
 
