@@ -201,6 +201,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
         tls_client_ca_file=args.tls_client_ca_file,
+        admin_token_file=args.admin_token_file,
+        allow_insecure_bind=args.allow_insecure_bind or None,
     )
     if config.ray_address is None:
         # A local Ray stays on loopback; Ray reads this when it is first imported.
@@ -279,18 +281,25 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert-file", help="PEM client certificate (mutual TLS)")
     parser.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
     parser.add_argument("--tls-server-name", help="check the router's certificate for this name")
+    parser.add_argument(
+        "--admin-token-file",
+        default=os.environ.get("EPCLUSTER_ADMIN_TOKEN_FILE"),
+        help="send the admin token in this file instead (admin calls: rebalance); "
+        "default $EPCLUSTER_ADMIN_TOKEN_FILE",
+    )
 
 
 def client_security(args: argparse.Namespace):
     """-> router.auth.ClientSecurity, or None for a plaintext, open router."""
     from router.auth import ClientSecurity
 
-    if not (args.token_file or args.tls_ca_file or args.tls_cert_file or args.tls_key_file):
+    token_file = args.admin_token_file or args.token_file  # the admin token is a client's too
+    if not (token_file or args.tls_ca_file or args.tls_cert_file or args.tls_key_file):
         return None
     if (args.tls_cert_file or args.tls_key_file) and not args.tls_ca_file:
         raise ValueError("--tls-cert-file and --tls-key-file need --tls-ca-file (TLS)")
     return ClientSecurity.from_files(
-        args.token_file, args.tls_ca_file, args.tls_cert_file, args.tls_key_file,
+        token_file, args.tls_ca_file, args.tls_cert_file, args.tls_key_file,
         args.tls_server_name,
     )  # fmt: skip
 
@@ -322,11 +331,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP (0: any free port)")
     serve.add_argument("--metrics-port", type=int, help="router /metrics and /sd/targets (0: any)")
     serve.add_argument("--rank-metrics-port", type=int, help="first port of the ranks' /metrics")
-    serve.add_argument("--auth-token-file", help="require this bearer token from gRPC clients")
-    serve.add_argument("--tls-cert-file", help="PEM server certificate: serve gRPC over TLS")
+    serve.add_argument("--auth-token-file", help="require this bearer token (gRPC and HTTP)")
+    serve.add_argument("--tls-cert-file", help="PEM server certificate: TLS on gRPC and HTTP")
     serve.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
     serve.add_argument(
         "--tls-client-ca-file", help="PEM CA: mutual TLS, clients need a certificate it signed"
+    )
+    serve.add_argument("--admin-token-file", help="require this token for admin calls")
+    serve.add_argument(
+        "--allow-insecure-bind",
+        action="store_true",
+        help="serve a non-loopback --host without a token or mutual TLS",
     )
     serve.set_defaults(func=cmd_serve)
 

@@ -24,7 +24,7 @@ from engine.tokenizer import load_tokenizer
 from moe.config import ModelConfig
 from moe.loader import resolve_model_path
 from router.admission import AdmissionConfig
-from router.auth import ServerSecurity
+from router.auth import ServerSecurity, read_token
 from router.cluster_backend import ClusterBackend, RoutingConfig
 from router.metrics import RouterMetrics
 from router.pools import HealthConfig
@@ -80,6 +80,14 @@ def chat_template(checkpoint) -> str | None:
         return None
     template = json.loads(config.read_text()).get("chat_template")
     return template if isinstance(template, str) else None
+
+
+def server_security(c: ClusterConfig) -> ServerSecurity:
+    """The router's ports' security from the config's files (router/auth.py)."""
+    return ServerSecurity.from_files(
+        c.auth_token_file, c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file,
+        c.admin_token_file,
+    )  # fmt: skip
 
 
 class Cluster:
@@ -151,15 +159,14 @@ class Cluster:
                 metrics=self.metrics,
                 model_name=c.model,
                 checkpoint=path,
-                security=ServerSecurity.from_files(
-                    c.auth_token_file, c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file
-                ),
+                security=server_security(c),
             )
             if c.http_port is not None:
                 port = self.server.serve_http(
                     c.http_port, c.model, self.metrics.registry, chat_template(path)
                 )
-                log.info("OpenAI-compatible HTTP on http://%s:%d/v1", c.host, port)
+                scheme = "http" if c.tls_cert_file is None else "https"
+                log.info("OpenAI-compatible HTTP on %s://%s:%d/v1", scheme, c.host, port)
             self.server.call(asyncio.wait_for(self._start_pools(opened.to_form), c.start_timeout_s))
             if not self.server.wait_ready(30):
                 raise RuntimeError("the pools started but the router never became ready")
@@ -190,7 +197,13 @@ class Cluster:
                 lambda pool=pool: backend.pool_ready(pool)
             )
         try:
-            self.metrics_server = MetricsServer(self.metrics.registry, c.host, c.metrics_port)
+            self.metrics_server = MetricsServer(
+                self.metrics.registry,
+                c.host,
+                c.metrics_port,
+                tls=server_security(c).ssl_context(client_auth=False) if c.metrics_tls else None,
+                token=None if c.metrics_token_file is None else read_token(c.metrics_token_file),
+            )
         except OSError as e:
             raise ValueError(
                 f"metrics_port {c.metrics_port} on {c.host} is taken ({e.strerror}; another "
@@ -198,12 +211,16 @@ class Cluster:
                 "null to serve no /metrics"
             ) from e
         router = {"pool": "router", "model_name": c.model}
+        if c.metrics_tls:  # Prometheus HTTP SD: scrape this target over https
+            router["__scheme__"] = "https"
         self.metrics_server.routes["/sd/targets"] = lambda: [
             {"targets": [self.metrics_server.endpoint], "labels": router},
             *backend.sd_targets(),
         ]
         log.info(
-            "metrics on http://%s/metrics (discovery: /sd/targets)", self.metrics_server.endpoint
+            "metrics on %s://%s/metrics (discovery: /sd/targets)",
+            self.metrics_server.scheme,
+            self.metrics_server.endpoint,
         )
 
     async def _start_pools(self, names: list[str]) -> None:

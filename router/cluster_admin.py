@@ -14,9 +14,13 @@ from engine.messages import (
     RankStatus,
     RebalanceStatus,
 )
+from router import pools as _pools
 from router.backend import Unavailable
 from router.cluster_types import RoutingConfig
-from router.pools import Pools
+from router.pools import Pools, RankFailed
+
+# A rank gone (RankFailed) or a call to it lost (RankCallFailed, where router/pools.py has it)
+RANK_ERRORS = (RankFailed, getattr(_pools, "RankCallFailed", RankFailed))
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,15 @@ class ClusterAdmin:
     ) -> list[tuple[str, RebalanceStatus]]:
         """Re-place the experts of `pool` (None: both) from their measured load, and wait for
         the outcome (each pool's rank 0 reports the pool's plan). ValueError for a pool of one
-        rank (nothing to balance)."""
+        rank (nothing to balance); Unavailable when a rank fails meanwhile."""
+        try:
+            return await self._rebalance(pool, timeout_s)
+        except RANK_ERRORS as e:
+            raise _unavailable(e) from None
+
+    async def _rebalance(
+        self, pool: str | None, timeout_s: float
+    ) -> list[tuple[str, RebalanceStatus]]:
         results = []
         for name in [pool] if pool else ["prefill", "decode"]:
             ranks = self.pools[name].ranks
@@ -80,11 +92,15 @@ class ClusterAdmin:
                 log.exception("periodic rebalance failed")
 
     async def expert_load(self) -> list[PoolLoad]:
-        """Each pool's load: the tokens its ranks routed to every physical slot, summed."""
+        """Each pool's load: the tokens its ranks routed to every physical slot, summed
+        (Unavailable when a rank fails)."""
         out = []
         for name in ("prefill", "decode"):
             ranks = self.pools[name].ranks
-            loads = await asyncio.gather(*(r.expert_load() for r in ranks))
+            try:
+                loads = await asyncio.gather(*(r.expert_load() for r in ranks))
+            except RANK_ERRORS as e:
+                raise _unavailable(e) from None
             layers = {}
             for layer, (tokens, experts) in loads[0].items():
                 total = [sum(load[layer][0][s] for load in loads) for s in range(len(tokens))]
@@ -104,3 +120,12 @@ class ClusterAdmin:
                 labels = {"pool": pool, "rank": str(rank), "model_name": self._model_info.model}
                 targets.append({"targets": [status.metrics_endpoint], "labels": labels})
         return targets
+
+
+def _unavailable(e: RankFailed) -> Unavailable:
+    """A rank's failure as the backend's Unavailable (the server answers UNAVAILABLE, not UNKNOWN
+    with a class name), in one line."""
+    why = (e.why.strip().splitlines() or ["no reason given"])[0]
+    return Unavailable(
+        f"{e.pool} rank {e.rank} failed ({why}): the pool is re-forming, retry in a moment"
+    )

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router import convert
+from router.abort_scope import AbortScope
 from router.admission import Admission, AdmissionConfig
 from router.auth import ServerSecurity
 from router.backend import Backend, Unavailable
@@ -64,7 +65,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
         try:
-            text = len(request.text) if request.WhichOneof("prompt") == "text" else 0
+            text = convert.conversion_cost(request)  # text chars or token ids (checked each)
             req = await off_loop(
                 text, convert.generate_request_from_proto, request, self.backend.tokenizer,
                 self.backend.prompt_limits(), deadline,
@@ -92,7 +93,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, request: pb.GetExpertLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExpertLoad:
         await _reject_unknown_fields(request, context)
-        return convert.expert_load_to_proto(await self.backend.expert_load())
+        try:
+            return convert.expert_load_to_proto(await self.backend.expert_load())
+        except Unavailable as e:  # a rank failed: the pool re-forms (not UNKNOWN)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _one_line(e))
 
     async def Rebalance(
         self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext
@@ -106,14 +110,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except Unavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _one_line(e))
         return convert.rebalance_response_to_proto(results)
 
     async def GetClusterStatus(
         self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClusterStatus:
         await _reject_unknown_fields(request, context)
-        status = await self.backend.status()
+        try:
+            status = await self.backend.status()
+        except Unavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _one_line(e))
         status.num_queued = self.frontend.admission.num_requests
         status.num_queued_tokens = self.frontend.admission.num_tokens
         return convert.cluster_status_to_proto(status)
@@ -123,6 +130,11 @@ async def _abort(context: grpc.aio.ServicerContext, e: Refused) -> None:
     """End the call with the refusal's status (and a retry hint where it has one)."""
     hint = () if e.retry_after_s is None else ((RETRY_PUSHBACK, str(int(e.retry_after_s * 1e3))),)
     await context.abort(grpc.StatusCode[e.status], e.message, trailing_metadata=hint)
+
+
+def _one_line(e: Exception) -> str:
+    """An error's first line: a status message, never a traceback."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 async def _reject_unknown_fields(request: object, context: grpc.aio.ServicerContext) -> None:
@@ -161,6 +173,7 @@ class RouterServer:
             from router.vllm_grpc import VllmEngineServicer
 
             self.vllm = VllmEngineServicer(self.frontend, model_name, checkpoint)
+            self.vllm.aborts = AbortScope(self.frontend, self.security)  # who may Abort what
         self.services = [SERVICE_NAME] + ([VLLM_SERVICE_NAME] if self.vllm else [])
         self._serving = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -211,13 +224,15 @@ class RouterServer:
         chat_template: str | None = None,
     ) -> int:
         """Also serve OpenAI-compatible HTTP on this router's host (router/openai_http.py), over
-        the same request path; -> the bound port (0 picks a free one)."""
+        the same request path and under the same security as gRPC (TLS, mutual TLS, the token
+        on every route but /health); -> the bound port (0 picks a free one)."""
         from router import openai_http
 
-        token = self.security.token
-        app = openai_http.OpenAIServer(self.frontend, model_name, registry, chat_template, token)
+        # NOTE: the token, TLS and mutual TLS are applied around the whole app by start()
+        app = openai_http.OpenAIServer(self.frontend, model_name, registry, chat_template)
+        self.security.warn_if_cleartext(f"OpenAI HTTP on {self.host}", self.host)
         self._http, self._http_task, self.http_port = self._run(
-            openai_http.start(app.app, self.host, port)
+            openai_http.start(app.app, self.host, port, self.security)
         )
         return self.http_port
 
@@ -253,6 +268,7 @@ class RouterServer:
         await self._health.set(LIVENESS_SERVICE, _SERVING)
         bracketed = f"[{host}]" if ":" in host else host
         credentials = self.security.credentials()
+        self.security.warn_if_cleartext(f"gRPC on {bracketed}:{port}", host)
         if credentials is None:
             bound = self._server.add_insecure_port(f"{bracketed}:{port}")
         else:
