@@ -22,6 +22,12 @@ from engine.tokenizer import Tokenizer
 RESERVATIONS = "epcluster_kv_reservations_total"
 
 
+class LeaseLapsed(RuntimeError):
+    """A decode rank dropped a router's lease (it renewed nothing for a lease): that router's
+    requests there were aborted and its delta stream ends with this error, so the router opens
+    a new one and resumes those requests instead of waiting for deltas that never come."""
+
+
 @dataclass(slots=True)
 class Reservation:
     request_id: str
@@ -31,7 +37,8 @@ class Reservation:
 
 
 class Reservations:
-    """The reservation book of one decode rank's engine (not thread-safe: the engine thread)."""
+    """The reservation book of one decode rank's engine. Changed on the engine thread only;
+    num_blocks, len() and ids() may be read from other threads (a metrics scrape, status)."""
 
     def __init__(
         self, block_manager: BlockManager, kv_caches: list[torch.Tensor], stats: RankStats
@@ -44,7 +51,10 @@ class Reservations:
     @property
     def num_blocks(self) -> int:
         """Blocks held by reservations (KV on its way)."""
-        return sum(len(r.block_table) for r in self._book.values())
+        # NOTE: read from the metrics scrape thread while the engine thread inserts: tuple()
+        # copies the values in one C call under the GIL, where a generator over the live view
+        # would raise "dictionary changed size during iteration".
+        return sum(len(r.block_table) for r in tuple(self._book.values()))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._book

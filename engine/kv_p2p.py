@@ -9,12 +9,17 @@ Order: NCCL ignores tags and matches the sends and receives between two ranks in
 are posted, so every send carries its number among the sender's sends to that receiver (`seq`)
 and the receiver posts receives strictly in that order, whatever order the requests' `start`
 calls arrive in (a receive waits for its turn, up to the timeout). Gloo matches by tag too.
+A turn that does not come within the timeout (its handle never reached this rank: the router
+lost it) is given up, so one loss never holds the pair up for good: the receive waiting for it
+goes ahead, and if the late handle comes after all, gloo (matching by tag) still receives it.
 
 NOTE: when one send or recv times out, gloo closes every connection of that rank (not only the
 one to that peer): from then on every transfer of that rank, and every peer's transfer with it,
 fails at once with KVTransferError (an error, not a hang). The router then resumes the request
 with its KV through the object store (GenerateRequest.kv_fallback) and has every rank rebuild
-the group (a new epoch; a handle of an old epoch is refused). NCCL aborts the communicator.
+the group (a new epoch; a handle of an old epoch is refused; the old group is closed once its
+sends in flight are done). NCCL is untested here: with TORCH_NCCL_ASYNC_ERROR_HANDLING's default
+a timed-out operation tears the process down, and a late handle cannot be matched out of order.
 """
 
 import itertools
@@ -55,7 +60,7 @@ class TorchP2PTransport:
     ) -> None:
         assert 0 <= rank < world_size, (rank, world_size)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.epoch = epoch
+        self.epoch, self.backend = epoch, backend
         timeout = timedelta(seconds=timeout_s)
         store = dist.PrefixStore("kv_p2p", store)  # keys apart from any other group on the store
         if backend == "gloo":
@@ -74,6 +79,8 @@ class TorchP2PTransport:
         self._seq = itertools.count()
         self._send_seq = {dst: itertools.count() for dst in range(world_size)}  # per receiver
         self._recv_next = dict.fromkeys(range(world_size), 0)  # per sender: the seq due next
+        self._given_up: dict[int, set[int]] = {src: set() for src in range(world_size)}
+        self.num_given_up = 0  # turns given up (their handles never came in time)
         self._order = threading.Condition()
         self.num_received = 0  # transfers received or discarded (for health and tests)
         self._drop_sends = 0  # debug_drop_sends: sends that are numbered but never posted
@@ -129,29 +136,48 @@ class TorchP2PTransport:
         if handle.epoch != self.epoch:
             raise KVTransferError(f"KV of {where} was sent on an older transport group")
         data = torch.empty(handle.shape, dtype=dtype, device=self.device)  # [L, T, C]
+        src, seq = handle.src, handle.seq
         with self._order:
-            if not self._order.wait_for(
-                lambda: self._recv_next[handle.src] >= handle.seq, self.timeout_s
-            ):
-                raise KVTransferError(
-                    f"KV of {where} (#{handle.seq}) waited {self.timeout_s:.0f} s for "
-                    f"#{self._recv_next[handle.src]} of that sender, which never came"
-                )
-            if self._recv_next[handle.src] > handle.seq:
-                raise KVTransferError(f"KV of {where} (#{handle.seq}) was received already")
+            if not self._order.wait_for(lambda: self._recv_next[src] >= seq, self.timeout_s):
+                self._give_up(src, seq)
+            late = self._recv_next[src] > seq
+            if late and (seq not in self._given_up[src] or self.backend == "nccl"):
+                raise KVTransferError(f"KV of {where} (#{seq}) was received already")
+            self._given_up[src].discard(seq)
             try:
-                work = self.group.recv([data], handle.src, handle.tag)
+                work = self.group.recv([data], src, handle.tag)
             except RuntimeError as e:
                 raise KVTransferError(f"KV of {where} (tag {handle.tag}) failed: {e}") from e
             finally:
-                self._recv_next[handle.src] += 1
-                self._order.notify_all()
+                if not late:
+                    self._recv_next[src] += 1
+                    self._order.notify_all()
         try:
             work.wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             raise KVTransferError(f"KV of {where} (tag {handle.tag}) failed: {e}") from e
         self.num_received += 1
         return KVPayload(handle.request_id, data, handle.num_cached_tokens)
+
+    def _give_up(self, src: int, seq: int) -> None:
+        """The turns of `src` before `seq` did not come within the timeout: give them up (the
+        caller holds _order), so the pair goes on."""
+        missing = range(self._recv_next[src], seq)
+        log.warning(
+            "KV from rank %d to rank %d: #%d-#%d never came in %.0f s: their turns are given up",
+            src,
+            self.rank,
+            missing.start,
+            missing.stop - 1,
+            self.timeout_s,
+        )
+        given_up = self._given_up[src]
+        given_up.update(missing)
+        while len(given_up) > 4096:  # a late handle this old will not come
+            given_up.discard(min(given_up))
+        self.num_given_up += len(missing)
+        self._recv_next[src] = seq
+        self._order.notify_all()
 
     def discard(self, handle: P2PHandle | KVPayload) -> None:
         """Receive and drop a transfer nobody will use, so the sender's send completes (and the

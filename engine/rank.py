@@ -4,9 +4,11 @@ the asyncio loop the rank's calls arrive on. Ray actors are thin shells around s
 
 import abc
 import asyncio
+import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ from engine.messages import RankStatus, StepResult
 from engine.metrics_server import MetricsServer, serve_metrics
 from engine.rank_metrics import RankCollector
 from moe.placement import Placement
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,13 @@ def interface_of(addr: str) -> str | None:
             if got == addr:
                 return name
     return None
+
+
+def _close_quietly(close: Callable[[], None]) -> None:
+    try:
+        close()
+    except Exception as e:  # a group whose peers are gone may not shut down cleanly
+        log.warning("closing an old KV transport group failed: %r", e)
 
 
 def _family(addr: str) -> socket.AddressFamily:
@@ -178,9 +189,15 @@ class Rank(abc.ABC):
         )
 
     async def rejoin_kv(self, kv_rdzv: Rendezvous) -> None:
-        """Join a new KV transport group (the old one lost a member: a pool was re-formed).
-        Every rank of both pools calls this, or joins with kv_rdzv, at once."""
-        self.transport = await asyncio.to_thread(self._p2p_transport, kv_rdzv)
+        """Join a new KV transport group (the old one lost a member: a pool was re-formed, or a
+        transfer broke it). Every rank of both pools calls this, or joins with kv_rdzv, at
+        once. The old group is closed in the background once its sends in flight are done
+        (each within the transfer timeout), so no rebuild leaks its thread and links."""
+        new = await asyncio.to_thread(self._p2p_transport, kv_rdzv)
+        old, self.transport = self.transport, new
+        close = getattr(old, "close", None)
+        if close is not None:
+            threading.Thread(target=_close_quietly, args=(close,), daemon=True).start()
 
     def stop(self) -> None:
         if self.loop is not None:

@@ -30,6 +30,7 @@ from engine.messages import (
     GenerateRequest,
     ModelInfo,
     RankStatus,
+    RequestFailed,
     RequestOutput,
     Resume,
 )
@@ -39,21 +40,25 @@ from router.backend import Overloaded, Unavailable
 from router.cluster_admin import ClusterAdmin
 from router.cluster_streams import ClusterStreams
 from router.cluster_types import (
+    AttemptLost,
     DecodeRank,
     KVTransferFailed,
     P2PTransferFailed,
     PrefillRank,
     Route,
     RoutingConfig,
+    mark_suspects,
 )
+from router.decode_room import DecodeRoom, Turn
 from router.metrics import RouterMetrics
-from router.pools import HealthConfig, PoolControl, Pools, RankFailed
+from router.pools import HealthConfig, PoolControl, Pools, RankCallFailed, RankFailed
 from router.routing import decode_preference, prefill_choice, prefix_key
 
 log = logging.getLogger(__name__)
 
 
 _ABORTED = object()  # _within: the deadline passed or the request was aborted
+_NOTHING = object()  # _within: nothing came from the route's queue
 
 
 class ClusterBackend(ClusterStreams, ClusterAdmin):
@@ -87,14 +92,17 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         self._routes: dict[str, Route] = {}  # wire id -> route
         self._by_client: dict[str, Route] = {}  # client's request id -> route
         self._prefill_load = [0] * len(prefill)  # prompt tokens this router has in flight
-        self._decode_pending = [0] * len(decode)  # blocks reserved since the last status
-        self._pending_poll = -1  # the status poll _decode_pending counts from
+        # the decode ranks' free blocks as this router sees them, and the requests waiting
+        self._room = DecodeRoom(len(decode), block_size, self.routing.max_reserve_waiters)
+        self.pools.on_status.append(self._on_status)
         self._readers: list[asyncio.Task] = []
         self._renewer: asyncio.Task | None = None
         self._periodic: asyncio.Task | None = None
         self._kv_rebuild: asyncio.Task | None = None
         self.num_kv_fallbacks = 0  # requests resumed through the object store after a p2p error
         self.num_kv_rebuilds = 0
+        self.num_kv_discards = 0  # p2p KV of abandoned prefills taken off on the decode rank
+        self._background: set[asyncio.Task] = set()  # cleanups no request waits for
         self._started = False
 
     def model_info(self) -> ModelInfo:
@@ -131,14 +139,21 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
                 self._begin_attempt(route)
                 try:
                     async for delta in self._attempt(route):
+                        if delta.failure is not None:  # it failed alone on its rank
+                            raise delta.failure
                         route.token_ids += delta.token_ids
                         route.text += delta.text
                         delta.request_id = cid
                         yield delta
                     return
                 except RankFailed as e:
+                    mark_suspects(self._routes, e.suspects)
                     self.pools.fail(e.pool, e.rank, e.why)
                     await asyncio.shield(self._release(route))
+                    if route.strike():  # poison: it was in the step that killed a rank, twice
+                        raise RequestFailed(
+                            f"this request failed a rank twice: not resumed (last: {e})"
+                        ) from e
                     if route.resumes >= self.routing.max_resumes:
                         raise Unavailable(
                             f"the request was resumed {route.resumes} times after rank "
@@ -154,8 +169,21 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
                     self.num_kv_fallbacks += 1
                     if self.metrics is not None:
                         self.metrics.child("epcluster_kv_transfer_fallbacks_total").inc()
-                    self._rebuild_kv_group()
+                    if e.rebuild:
+                        self._rebuild_kv_group()
                     log.warning("resuming %s through the object store: %s", cid, e)
+                except (AttemptLost, RankCallFailed) as e:  # this attempt's loss, no rank's
+                    await asyncio.shield(self._release(route))
+                    if route.resumes >= self.routing.max_resumes:
+                        raise Unavailable(
+                            f"the request was resumed {route.resumes} times and its last attempt "
+                            f"was lost too ({e}): retry later"
+                        ) from e
+                    route.resumes += 1
+                    if self.metrics is not None:
+                        pool = getattr(e, "pool", "decode")
+                        self.metrics.child("epcluster_request_resumes_total", pool).inc()
+                    log.info("resuming %s after %s (%d tokens sent)", cid, e, len(route.token_ids))
         finally:
             del self._by_client[cid]
             self._routes.pop(route.wire.request_id, None)
@@ -217,9 +245,17 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         token's delta, or None when the deadline passed or the request was aborted."""
         wire = route.wire
         waited = time.monotonic()
-        route.decode = await self._reserve(route)
+        try:
+            route.decode = await self._reserve(route)
+        except (asyncio.CancelledError, RankCallFailed):
+            self._forget_reserve(route)
+            raise
         if route.decode is None:
             return None
+        if route.decode_gen != self.pools["decode"].generation:
+            # granted by a rank of a pool that failed while the reserve was in flight: the
+            # failure notice missed this route (route.decode was not set yet)
+            raise AttemptLost("its KV reservation was granted by a decode pool that failed")
         asked = time.monotonic()
         if self.metrics is not None:
             self.metrics.child("epcluster_kv_reservation_wait_seconds").observe(asked - waited)
@@ -232,13 +268,21 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         key = prefix_key(wire.prompt_token_ids, self.block_size, self.routing.affinity_blocks)
         route.prefill = prefill_choice(key, self._prefill_load, self.routing.prefill_max_imbalance)
         self._prefill_load[route.prefill] += known
+        p2p = self.routing.kv_p2p and not route.kv_fallback
+        kv_dst = self.pools["decode"].ranks[route.decode].kv_rank
+        task = asyncio.ensure_future(prefill.ranks[route.prefill].prefill(wire, kv_dst))
         try:
-            kv_dst = self.pools["decode"].ranks[route.decode].kv_rank
-            result = await self._within(route, prefill.ranks[route.prefill].prefill(wire, kv_dst))
+            result = await self._within(route, task, cancel=not p2p)
+        except BaseException:
+            if p2p:
+                self._settle_prefill(route, task)
+            raise
         finally:
             if prefill.generation == route.prefill_gen:
                 self._prefill_load[route.prefill] -= known
         if result is _ABORTED:
+            if p2p:
+                self._settle_prefill(route, task)
             return None
         if self.metrics is not None:
             took = time.monotonic() - asked
@@ -253,20 +297,26 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         rank = self.pools["decode"].ranks[route.decode]
         handle, route.kv = route.kv, None
         try:
-            await rank.start(route.wire, route.first, handle, self.router_id)
+            start = rank.start(route.wire, route.first, handle, self.router_id)
+            started = await self._within(route, start, watch_queue=False)
         except (RankFailed, asyncio.CancelledError):
             raise
         except Exception as e:
             if self.routing.kv_p2p and not route.kv_fallback:
-                raise P2PTransferFailed(str(e)) from e
+                # a handle of an older transport group says nothing about the current one
+                raise P2PTransferFailed(str(e), "older transport group" not in str(e)) from e
             raise KVTransferFailed(
                 f"the prompt's KV cache did not reach decode rank {route.decode}: {e}"
             ) from e
         finally:
             del handle  # the decode rank has the KV: its object can go
+        if started is _ABORTED:  # the deadline, while the KV was on its way
+            yield self._aborted(route)
+            return
         route.started = True
         while not route.done:
             delta = await self._within(route, route.queue.get(), watch_queue=False)
+            delta = _ABORTED if delta is _ABORTED else _queued(delta)
             if delta is _ABORTED:
                 yield self._aborted(route)
                 return
@@ -286,57 +336,150 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
             decode = self.pools["decode"]
             if decode.generation == route.decode_gen:
                 calls.append(decode.ranks[route.decode].abort(rid))
-                if route.kv is not None:  # sent, never started: a p2p send must be matched
-                    calls.append(decode.ranks[route.decode].discard_kv(route.kv))
+                if route.kv is not None and not route.done:  # sent, never started: a p2p
+                    calls.append(decode.ranks[route.decode].discard_kv(route.kv))  # send is matched
         route.prefill = route.decode = route.kv = None
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException):
                 log.warning("cleanup of %s failed: %r", rid, result)
+        self._room.forget(rid)  # its decode blocks are free (if it held any)
 
     async def _reserve(self, route: Route) -> int | None:
-        """Reserve the known tokens' blocks on the best decode rank with room, waiting for room
-        up to reserve_wait_s (Overloaded after that); -> the decode rank, None when the
-        deadline passes or the request is aborted first."""
-        wire, decode = route.wire, self.pools["decode"]
-        needed = -(-(len(wire.known_token_ids) + 1) // self.block_size)
-        give_up = time.monotonic() + self.routing.reserve_wait_s
-        while True:
-            route.decode_gen = decode.generation
-            if self._pending_poll != self.pools.num_polls:  # fresh statuses count them
-                self._pending_poll = self.pools.num_polls
-                self._decode_pending = [0] * len(decode.ranks)
-            ranks = [self.pools.status.get(("decode", i)) for i in range(len(decode.ranks))]
-            live = [r or RankStatus("decode", i, False, 0, 0, 0, 0) for i, r in enumerate(ranks)]
-            for i in decode_preference(live, self._decode_pending, needed):
-                # NOTE: counted before the await: requests that arrive together must see each
-                # other's choices (counted after it, a burst of 32 all reserved on one rank)
-                self._decode_pending[i] += needed
-                poll = self._pending_poll
-                ok = False
-                try:
-                    ok = await decode.ranks[i].reserve(
-                        wire.request_id, wire.known_token_ids, self.routing.kv_lease_s,
-                        self.router_id,
-                    )  # fmt: skip
-                finally:
-                    if not ok and poll == self._pending_poll:  # not reset by a fresh status
-                        self._decode_pending[i] = max(0, self._decode_pending[i] - needed)
-                if ok:
-                    return i
-            if time.monotonic() > give_up:
-                free = max((r.kv_free_blocks for r in live), default=0)
-                raise Overloaded(
-                    f"no decode rank has room for {needed} KV blocks (the most free is {free}) "
-                    f"after {self.routing.reserve_wait_s:.0f} s: retry later"
-                )
-            if await self._within(route, asyncio.sleep(0.05)) is _ABORTED:
-                return None
-            await self.pools.poll_once()
+        """Reserve the known tokens' blocks on the best decode rank with room; -> the decode
+        rank, None when the deadline passes or the request is aborted first.
 
-    async def _within(self, route: Route, awaitable: Any, watch_queue: bool = True) -> Any:
+        Without room it waits in the room's FIFO queue (Overloaded at once when the queue is
+        full, and after reserve_wait_s): only the head tries again, when the router's view of
+        the free blocks changes (router/decode_room.py), so waiting costs the ranks no calls.
+        Past reserve_wait_s while a pool re-forms it waits for the pool as a new request does
+        (Unavailable after recovery_wait_s), then for room again."""
+        needed = -(-(len(route.wire.known_token_ids) + 1) // self.block_size)
+        room, wait_s = self._room, self.routing.reserve_wait_s
+        give_up = time.monotonic() + wait_s
+        turn: Turn | None = None
+        try:
+            while True:
+                if room.may_try(turn):
+                    if turn is not None:
+                        turn.event.clear()  # a change while it tries: it tries once more
+                    i = await self._try_reserve(route, needed)
+                    if i is not None:
+                        return i
+                if time.monotonic() >= give_up:
+                    if self.pools.ready():
+                        raise Overloaded(
+                            f"no decode rank has room for {needed} KV blocks (the most free "
+                            f"is {self._most_free()}) after {wait_s:.0f} s: retry later"
+                        )
+                    if await self._wait_for_pools(route.request) is None:
+                        return None  # the deadline passed while a pool re-formed
+                    give_up = time.monotonic() + wait_s
+                    continue
+                if turn is None:
+                    turn = room.enqueue()
+                left = give_up - time.monotonic()
+                if await self._within(route, room.wait(turn, left)) is _ABORTED:
+                    return None
+        finally:
+            if turn is not None:
+                room.leave(turn)
+
+    async def _try_reserve(self, route: Route, needed: int) -> int | None:
+        """Ask the decode ranks the view says have room, best first; -> the one that granted
+        the reservation, or None."""
+        wire, decode, room = route.wire, self.pools["decode"], self._room
+        live = self._decode_statuses()
+        for i in decode_preference(live, room.taken(), needed):
+            # NOTE: counted before the await: requests that arrive together must see each
+            # other's choices (counted after it, a burst of 32 all reserved on one rank).
+            # route.decode is set first so that a cancel during the call aborts it (M10).
+            taken = room.take(i, needed)
+            route.decode, route.decode_gen = i, decode.generation
+            ok = False
+            try:
+                ok = await decode.ranks[i].reserve(
+                    wire.request_id, wire.known_token_ids, self.routing.kv_lease_s,
+                    self.router_id,
+                )  # fmt: skip
+            finally:
+                if not ok:
+                    room.untake(taken)
+            if ok:
+                if decode.generation == route.decode_gen:
+                    room.hold(wire.request_id, taken)
+                return i
+            route.decode = None
+            room.refused(i, needed, live[i])
+        return None
+
+    def _decode_statuses(self) -> list[RankStatus]:
+        """Each decode rank's last status (one not ready where there is none)."""
+        n = len(self.pools["decode"].ranks)
+        statuses = [self.pools.status.get(("decode", i)) for i in range(n)]
+        return [s or RankStatus("decode", i, False, 0, 0, 0, 0) for i, s in enumerate(statuses)]
+
+    def _most_free(self) -> int:
+        taken = self._room.taken()
+        free = [s.kv_free_blocks - t for s, t in zip(self._decode_statuses(), taken, strict=False)]
+        return max(free, default=0)
+
+    @property
+    def _decode_pending(self) -> list[int]:
+        """Blocks this router reserved on each decode rank that its status does not show yet."""
+        return self._room.pending()
+
+    def _on_status(self, pool: str, rank: int) -> None:
+        if pool == "decode":
+            self._room.refreshed(rank, self.pools.status.get(("decode", rank)))
+
+    def _forget_reserve(self, route: Route) -> None:
+        """A reserve call may have been in flight when the attempt ended (a cancel, no answer):
+        its rank may still grant it, and route.decode does not say which rank that is, so
+        the id is aborted on every rank of the pool (it would hold blocks for a lease)."""
+        decode, rid = self.pools["decode"], route.wire.request_id
+        if decode.generation == route.decode_gen:
+            for rank in decode.ranks:
+                self._in_background(rank.abort(rid), f"abort of {rid}'s reservation")
+
+    def _settle_prefill(self, route: Route, task: asyncio.Future) -> None:
+        """p2p: a prefill this attempt stopped waiting for may have sent (or still send) the
+        prompt's KV to the reserved decode rank. Wait for its answer (the attempt's abort ends
+        it if it still runs) and have that rank take the KV off, so the send is matched and
+        the pair's later transfers keep their turns."""
+        decode, i, gen = self.pools["decode"], route.decode, route.decode_gen
+
+        async def settle() -> None:
+            try:
+                first, kv = await asyncio.wait_for(task, self.routing.recovery_wait_s)
+            except Exception:  # aborted, failed or never answered: nothing was sent
+                return
+            if first.finished or kv is None or i is None or decode.generation != gen:
+                return  # nothing to take, or that rank is gone (its KV group is rebuilt)
+            await decode.ranks[i].discard_kv(kv)
+            self.num_kv_discards += 1
+
+        if task.done() and (task.cancelled() or task.exception() is not None):
+            return
+        self._in_background(settle(), f"the KV of {route.wire.request_id}'s abandoned prefill")
+
+    def _in_background(self, coro: Any, what: str) -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except Exception as e:
+                log.warning("%s failed: %r", what, e)
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _within(
+        self, route: Route, awaitable: Any, watch_queue: bool = True, cancel: bool = True
+    ) -> Any:
         """Await `awaitable` until the request's deadline, or (watch_queue) until an abort or a
-        rank failure arrives on the route's queue; -> its result, or _ABORTED. A RankFailed,
-        from the queue or from the awaitable, is raised."""
+        rank failure arrives on the route's queue; -> its result, or _ABORTED. A RankFailed or
+        an AttemptLost, from the queue or from the awaitable, is raised. cancel=False leaves
+        the awaitable running when it is abandoned (the caller settles it)."""
         request = route.request
         timeout = None if request.deadline is None else max(0.0, request.deadline - time.time())
         task = asyncio.ensure_future(awaitable)
@@ -350,21 +493,18 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
             )
         finally:
             for waiter in waits:
-                waiter.cancel()
+                if cancel or waiter is not task:
+                    waiter.cancel()
+        item = marker.result() if marker is not None and marker in finished else _NOTHING
         if task in finished:
-            result = task.result()
-            if marker is not None and marker in finished:  # both at once: keep the marker
-                route.queue.put_nowait(marker.result())
-            if watch_queue:
-                return result
-        elif marker is not None and marker in finished:
-            result = marker.result()
-        else:
+            if item is not _NOTHING and not (
+                isinstance(item, RankFailed) and item.pool == "prefill"
+            ):  # both at once: keep the marker (a prefill failure is moot: its result is in)
+                route.queue.put_nowait(item)
+            return task.result()
+        if item is _NOTHING:
             return _ABORTED  # the deadline
-        # from the route's queue: a delta, None (an abort) or a RankFailed
-        if isinstance(result, RankFailed):
-            raise result
-        return _ABORTED if result is None else result
+        return _queued(item)
 
     def _aborted(self, route: Route) -> RequestOutput:
         return self._finished(route, "abort")
@@ -380,3 +520,11 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
             len(route.token_ids),
             0,
         )
+
+
+def _queued(item: Any) -> Any:
+    """What came from a route's queue: a delta; None (an abort) -> _ABORTED; a RankFailed or
+    an AttemptLost is raised."""
+    if isinstance(item, BaseException):
+        raise item
+    return _ABORTED if item is None else item

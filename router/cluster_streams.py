@@ -6,7 +6,9 @@ re-forms; the p2p KV group rebuilt after a transfer error."""
 import asyncio
 import logging
 
-from router.cluster_types import DecodeRank, Route, RoutingConfig
+from engine.handoff import LeaseLapsed
+from router.cluster_types import AttemptLost, DecodeRank, Route, RoutingConfig, mark_suspects
+from router.decode_room import DecodeRoom
 from router.metrics import RouterMetrics
 from router.pools import Pools, RankFailed
 
@@ -22,7 +24,7 @@ class ClusterStreams:
     router_id: str
     _routes: dict[str, Route]
     _prefill_load: list[int]
-    _decode_pending: list[int]
+    _room: DecodeRoom
     _readers: list[asyncio.Task]
     _renewer: asyncio.Task | None
     _periodic: asyncio.Task | None
@@ -70,7 +72,7 @@ class ClusterStreams:
             if recovery:
                 self.metrics.child("epcluster_pool_recovery_seconds", pool).observe(recovery[-1])
         self._prefill_load = [0] * len(self.pools["prefill"].ranks)
-        self._decode_pending = [0] * len(self.pools["decode"].ranks)
+        self._room.reset(len(self.pools["decode"].ranks))
         if pool == "decode":
             await self._open_streams()
 
@@ -86,19 +88,48 @@ class ClusterStreams:
         ]
 
     async def _read_stream(self, i: int, rank: DecodeRank, generation: int) -> None:
-        try:
-            async for deltas in rank.stream(self.router_id):
-                for delta in deltas:
-                    route = self._routes.get(delta.request_id)
-                    if route is not None:
-                        route.queue.put_nowait(delta)
-            why = "its delta stream ended"
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            why = f"its delta stream broke: {e.why if isinstance(e, RankFailed) else e}"
-        if self.pools["decode"].generation == generation:
-            self.pools.fail("decode", i, why)
+        """Route rank i's deltas to their requests. A stream that ends or breaks fails the
+        rank, except when the rank dropped this router's lease (LeaseLapsed): then the
+        requests it held resume and a new stream is opened."""
+        while True:
+            try:
+                async for deltas in rank.stream(self.router_id):
+                    for delta in deltas:
+                        if delta.finished:  # its blocks are free: a request waiting may fit
+                            tokens = delta.num_prompt_tokens + delta.num_completion_tokens
+                            self._room.forget(delta.request_id, tokens)
+                        route = self._routes.get(delta.request_id)
+                        if route is not None:
+                            route.queue.put_nowait(delta)
+                why = "its delta stream ended"
+            except asyncio.CancelledError:
+                raise
+            except LeaseLapsed as e:
+                log.warning("%s: its requests resume, a new stream opens", e)
+                self._lose_attempts(i, generation, str(e))
+                await self._register_again(i, rank, generation)
+                continue
+            except Exception as e:
+                why = f"its delta stream broke: {e.why if isinstance(e, RankFailed) else e}"
+                mark_suspects(self._routes, getattr(e, "suspects", ()))  # poison recognition
+            self.pools.fail("decode", i, why, generation=generation)
+            return
+
+    def _lose_attempts(self, i: int, generation: int, why: str) -> None:
+        """The attempts placed on decode rank i (of `generation`) resume elsewhere."""
+        for route in list(self._routes.values()):
+            if route.decode == i and route.decode_gen == generation and not route.done:
+                route.queue.put_nowait(AttemptLost(why))
+
+    async def _register_again(self, i: int, rank: DecodeRank, generation: int) -> None:
+        """Until the rank takes this router again (its status calls judge whether it lives)."""
+        while self.pools["decode"].generation == generation:
+            try:
+                await rank.register_router(self.router_id, self.routing.kv_lease_s)
+                return
+            except Exception as e:
+                log.warning("registering with decode rank %d again failed: %s", i, e)
+                await asyncio.sleep(self.pools.health.reform_retry_s)
 
     async def _renew_forever(self) -> None:
         """Renew the leases of the reservations whose prefill runs (and of this router)."""
@@ -116,8 +147,11 @@ class ClusterStreams:
                     and route.decode_gen == (decode.generation)
                 ):
                     waiting[route.decode].append(rid)
+            # NOTE: each rank on its own clock: one slow rank must not hold the others'
+            # renewals (their leases would lapse with it); a renewal that misses is retried
+            # next period, well within the lease
             calls = [
-                rank.renew(self.router_id, ids, self.routing.kv_lease_s)
+                asyncio.wait_for(rank.renew(self.router_id, ids, self.routing.kv_lease_s), period)
                 for rank, ids in zip(decode.ranks, waiting, strict=True)
             ]
             await asyncio.gather(*calls, return_exceptions=True)  # failures: the health watch

@@ -297,17 +297,31 @@ def test_abort_deadline_or_close_during_the_decode_ends_it_on_both_ranks(how):
     run(main())
 
 
-def test_failed_kv_start_raises_and_aborts_on_both_ranks():
+def test_a_failed_kv_start_resumes_the_request_and_no_pool_reforms():
     async def main():
-        backend, prefill, decode = await started_backend()
+        control = FakeControl()
+        backend, prefill, decode = await started_backend(control=control)
         decode.fail_start = 1
-        stream = backend.generate(request("f"))
-        assert tokens([await anext(stream)]) == [100]  # the first token reached the client
-        with pytest.raises(KVTransferFailed, match="did not reach decode rank 0: the link"):
-            await anext(stream)
-        wire = prefill.calls[0].request_id
-        assert prefill.aborted == [wire] and decode.aborted == [wire]
+        deltas = [d async for d in backend.generate(request("f", max_tokens=4))]
+        assert tokens(deltas) == [100, 101, 102, 103]  # one pause, the same tokens
+        lost, resumed = (c.request_id for c in prefill.calls)
+        assert prefill.calls[1].resume.token_ids == [100]  # the first token was sent already
+        assert prefill.aborted == [lost] and decode.aborted == [lost]
+        assert control.calls == [] and backend.pools["decode"].num_reforms == 0
         assert decode.discarded == [] and not decode.reserved and not backend._routes
+        await backend.close()
+
+    run(main())
+
+
+def test_a_kv_start_that_keeps_failing_ends_unavailable_after_max_resumes():
+    async def main():
+        backend, prefill, decode = await started_backend(control=FakeControl(), max_resumes=1)
+        decode.fail_start = 5
+        with pytest.raises(Unavailable, match="resumed 1 times .* the link to the prefill"):
+            [d async for d in backend.generate(request("f2"))]
+        assert len(prefill.calls) == 2 and backend.pools["decode"].num_reforms == 0
+        assert not decode.reserved and not backend._routes
         await backend.close()
 
     run(main())
