@@ -146,6 +146,9 @@ class ClusterConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
     kv_transfer_timeout_s: float = 30.0  # a decode reservation's lease, renewed by the router
+    # decode `start`: the KV's turn and its transfer (each up to kv_transfer_timeout_s) and its
+    # import; a start that runs out is that request's loss (it resumes), never the rank's
+    kv_start_timeout_s: float = 90.0
     kv_transport: str = "object_store"  # or "p2p": torch.distributed send/recv between ranks
     reserve_wait_s: float = 10.0  # a request waits this long for decode KV room (then 429-like)
     rank_call_timeout_s: float = 30.0  # every control call to a rank (reserve, start, status...)
@@ -173,6 +176,7 @@ class ClusterConfig:
             "kv_cache_bytes",
             "cpus_per_rank",
             "kv_transfer_timeout_s",
+            "kv_start_timeout_s",
             "reserve_wait_s",
             "rank_call_timeout_s",
             "rank_stall_timeout_s",
@@ -211,6 +215,13 @@ class ClusterConfig:
                 (self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1"),
                 (self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1"),
                 (self.max_resumes >= 0, "max_resumes", "must be >= 0"),
+                (
+                    self.kv_start_timeout_s > 2 * self.kv_transfer_timeout_s,
+                    "kv_start_timeout_s",
+                    "must be more than 2 x kv_transfer_timeout_s (a decode start waits for the "
+                    "KV's turn and its transfer, each up to kv_transfer_timeout_s, then imports "
+                    f"it; kv_transfer_timeout_s is {self.kv_transfer_timeout_s!r})",
+                ),
                 (
                     self.gpus_per_rank is None or self.gpus_per_rank >= 0,
                     "gpus_per_rank",

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster import registry
 from cluster.config import ClusterConfig
-from cluster.handles import DecodeHandle, PrefillHandle
+from cluster.handles import CONTROL, CONTROL_CONCURRENCY, DecodeHandle, PrefillHandle
 from decode_workers import DecodeWorker
 from engine.messages import RankStatus
 from engine.rank import RankConfig, Rendezvous
@@ -154,6 +154,7 @@ class Pool:
                 namespace=registry.NAMESPACE,
                 lifetime="detached",  # a router that dies leaves the ranks serving
                 max_concurrency=1000,
+                concurrency_groups={CONTROL: CONTROL_CONCURRENCY},  # status: never queued
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=r
@@ -168,11 +169,12 @@ class Pool:
         return registry.PoolRecord(self.generation, self.placement_group.id.hex(), names)
 
     def handles(self) -> list[PrefillHandle] | list[DecodeHandle]:
-        timeout = self.config.rank_call_timeout_s
+        c = self.config
+        timeout = c.rank_call_timeout_s
         if self.name == "prefill":
             return [PrefillHandle(a, self.name, r, timeout) for r, a in enumerate(self.actors)]
         return [
-            DecodeHandle(a, self.name, r, timeout, self.kv_offset + r)
+            DecodeHandle(a, self.name, r, timeout, self.kv_offset + r, c.kv_start_timeout_s)
             for r, a in enumerate(self.actors)
         ]
 
