@@ -46,7 +46,7 @@ def _as_float(name: str, value: object) -> float:
 def _show(value: object) -> str:
     """repr for an error message, cut short: a client's 10**5-digit integer must not come back
     whole in a one-line error (nor cost a quadratic int -> str conversion)."""
-    if _is_int(value) and value.bit_length() > 64:
+    if _is_int(value) and value.bit_length() > 128:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
