@@ -245,6 +245,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         token's delta, or None when the deadline passed or the request was aborted."""
         wire = route.wire
         waited = time.monotonic()
+        ranks = self.pools["decode"].ranks  # a re-form installs a new list: these stay
         try:
             route.decode = await self._reserve(route)
         except (asyncio.CancelledError, RankCallFailed):
@@ -254,7 +255,11 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
             return None
         if route.decode_gen != self.pools["decode"].generation:
             # granted by a rank of a pool that failed while the reserve was in flight: the
-            # failure notice missed this route (route.decode was not set yet)
+            # failure notice missed this route (route.decode was not set yet). Released on
+            # that rank if it still answers (a re-form kills it anyway).
+            rid = wire.request_id
+            self._in_background(ranks[route.decode].abort(rid), f"abort of {rid}'s reservation")
+            route.decode = None
             raise AttemptLost("its KV reservation was granted by a decode pool that failed")
         asked = time.monotonic()
         if self.metrics is not None:
