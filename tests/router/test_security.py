@@ -7,6 +7,7 @@ UNAUTHENTICATED with none, refused when the router has no admin token; read-only
 on the client token."""
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
@@ -32,9 +33,12 @@ PROMPT = [5, 6, 7, 8]
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
+    return write_pki(tmp_path_factory.mktemp("pki"))
+
+
+def write_pki(d: Path) -> dict[str, str]:
     """A CA, the router's certificate (for 127.0.0.1 and localhost), a client certificate signed
-    by the CA, and one from another CA; as PEM files."""
-    d = tmp_path_factory.mktemp("pki")
+    by the CA, and one from another CA, as PEM files in `d`; the tokens' files; -> their paths."""
     ca, other = trustme.CA(), trustme.CA()
     server = ca.issue_cert("127.0.0.1", "localhost")
     client, stranger = ca.issue_cert("client@epcluster"), other.issue_cert("client@elsewhere")
