@@ -13,6 +13,7 @@ overflowed the sampler's int64 tensor on a rank and re-formed its pool).
 
 import dataclasses
 import json
+import re
 import secrets
 import uuid
 from typing import Any
@@ -84,7 +85,32 @@ def parse_json(raw: bytes) -> dict:
         raise HttpError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise HttpError(400, "the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and _holds_lone_surrogate(body):
+        # NOTE: JSON's "\ud800" alone is no Unicode character: the tokenizer raised TypeError
+        # on such a prompt (a 500), and it cannot be written back out as UTF-8 either.
+        raise HttpError(400, "the body holds a lone surrogate escape (\\ud800-\\udfff): not text")
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _holds_lone_surrogate(value: object) -> bool:
+    """Whether any string (or key) in a parsed JSON value is not encodable as UTF-8."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+    return False
 
 
 def _short(value: object) -> str:
@@ -124,7 +150,7 @@ class RequestParser:
                 "model",
                 "model_not_found",
             )
-        if body.get("n", 1) != 1:
+        if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
             raise HttpError(400, "n must be 1 (one choice per prompt): send more requests", "n")
         for field, (lo, hi) in INT_FIELDS.items():
             if body.get(field) is not None:

@@ -3,6 +3,7 @@ LocalBackend, the in-process LLM as the oracle, and a way to look at the engine 
 test."""
 
 import asyncio
+import collections
 import time
 
 import pytest
@@ -12,6 +13,22 @@ from engine import LLM, EngineConfig, LLMEngine
 from router.local_backend import LocalBackend
 
 KV_CACHE_BYTES = 8 << 20  # a few thousand 4-token blocks: small, and usage visibly moves
+FUZZ_CASES: dict[str, collections.Counter] = {}  # fuzz test -> outcome -> cases run
+
+
+def record_fuzz_cases(test: str, counts: collections.Counter) -> None:
+    """Keep a fuzz test's case counts for the terminal summary (CI's log shows them)."""
+    FUZZ_CASES.setdefault(test, collections.Counter()).update(counts)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """A "fuzz cases" section: each fuzz test's number of cases and their outcomes."""
+    if not FUZZ_CASES:
+        return
+    terminalreporter.section("fuzz cases")
+    for test, counts in FUZZ_CASES.items():
+        outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+        terminalreporter.write_line(f"{test}: {sum(counts.values())} cases ({outcomes})")
 
 
 def make_engine(**options: object) -> LLMEngine:
