@@ -143,7 +143,10 @@ class Pool:
 
     def _create_actors(self) -> list:
         c = self.config
-        actor_cls = ray.remote(WORKERS[self.name])
+        # NOTE: concurrency groups are a class option (Ray refuses them in .options())
+        actor_cls = ray.remote(concurrency_groups={CONTROL: CONTROL_CONCURRENCY})(
+            WORKERS[self.name]
+        )
         env = {"OMP_NUM_THREADS": str(c.torch_threads), **c.env}
         return [
             actor_cls.options(
@@ -154,7 +157,6 @@ class Pool:
                 namespace=registry.NAMESPACE,
                 lifetime="detached",  # a router that dies leaves the ranks serving
                 max_concurrency=1000,
-                concurrency_groups={CONTROL: CONTROL_CONCURRENCY},  # status: never queued
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=r
