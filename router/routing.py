@@ -1,7 +1,8 @@
 """Where a request goes: pure functions over the ranks' load snapshots.
 
 Decode: the rank with the most free KV blocks (net of what this router has just sent there),
-then the fewest running requests; it must fit the prompt.
+then the fewest running requests; it must fit the prompt, and have no preempted request waiting
+for blocks (those are re-admitted first: a new reservation would take the blocks they need).
 Prefill: prefix affinity bounded by load. Rendezvous hashing of the prompt's first full blocks
 gives every prefill rank a score; requests that share those blocks rank the ranks the same way,
 so they meet the same prefix cache. Of the two best-scoring ranks (power of two choices) the
@@ -17,9 +18,14 @@ from engine.messages import RankStatus
 def decode_preference(
     ranks: list[RankStatus], pending_blocks: list[int], num_blocks: int
 ) -> list[int]:
-    """-> indices of the ready ranks that could hold num_blocks more, best first."""
+    """-> indices of the ready ranks that could hold num_blocks more, best first.
+    pending_blocks: blocks to take off each status (this router's since; negative: freed)."""
     free = [r.kv_free_blocks - pending for r, pending in zip(ranks, pending_blocks)]
-    fits = [i for i, r in enumerate(ranks) if r.ready and free[i] >= num_blocks]
+    fits = [
+        i
+        for i, r in enumerate(ranks)
+        if r.ready and r.num_waiting == 0 and i < len(free) and free[i] >= num_blocks
+    ]
     return sorted(fits, key=lambda i: (-free[i], ranks[i].num_running + ranks[i].num_waiting, i))
 
 
