@@ -17,7 +17,7 @@ from engine.messages import GenerateRequest, ModelInfo, RankStatus, RequestOutpu
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.backend import Overloaded, Unavailable
-from router.cluster_backend import ClusterBackend, KVTransferFailed, RoutingConfig
+from router.cluster_backend import ClusterBackend, RoutingConfig
 from router.pools import HealthConfig, RankFailed
 
 BLOCK = 4
