@@ -9,6 +9,7 @@ import yaml
 
 from cluster.config import ClusterConfig, PoolConfig
 from moe.presets import preset_names
+from router.server import LIVENESS_SERVICE, SERVICE_NAME
 from tests.deploy.conftest import REPO, ports
 
 # Fields the router config will have (being implemented beside these manifests: the interface
@@ -18,10 +19,15 @@ PENDING: set[str] = set()
 PENDING_POOL: set[str] = set()
 RAY_PORTS = {6379, 8265, 10001, 8080, 52365}
 MAX_RANKS_PER_NODE = 16
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 
 
-def test_config_loads(cluster):
+def test_config_loads(cluster, tmp_path):
     config = dict(cluster.config)
+    for key in [k for k in config if k.endswith("_file") and k != "placement_file"]:
+        # a Secret's file in the pod (test_security.py checks the mount): a stand-in here
+        (tmp_path / key).write_text("stand-in")
+        config[key] = str(tmp_path / key)
     known = {f.name for f in fields(ClusterConfig)}
     pool_known = {f.name for f in fields(PoolConfig)}
     assert set(config) - known <= PENDING, f"not config fields: {set(config) - known - PENDING}"
@@ -46,13 +52,23 @@ def test_router_ports_and_probes_follow_the_config(cluster):
         "router-metrics": config["metrics_port"],
     }
     for probe in ("startupProbe", "livenessProbe"):
-        assert router[probe]["grpc"] == {"port": config["port"]}  # the whole server
+        # the router process, never its pools: a pool that re-forms must not restart it
+        assert router[probe]["grpc"] == {"port": config["port"], "service": LIVENESS_SERVICE}
     assert router["readinessProbe"]["grpc"] == {
         "port": config["port"],
         "service": "epcluster.v1.Inference",
     }
     startup = router["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] > config["start_timeout_s"]
+
+
+def test_liveness_watches_the_process_and_readiness_the_pools(cluster):
+    """Liveness names the health service the router keeps SERVING while its process runs;
+    readiness names one that follows whether the pools can take work (router/server.py)."""
+    probes = {p: cluster.router[p]["grpc"].get("service", "") for p in PROBES}
+    assert probes["livenessProbe"] == LIVENESS_SERVICE
+    assert probes["readinessProbe"] != LIVENESS_SERVICE
+    assert probes["readinessProbe"] in ("", SERVICE_NAME)  # mirrored from backend.ready()
 
 
 def test_router_is_a_ray_driver_beside_the_head(cluster):
