@@ -280,6 +280,13 @@ class ClusterConfig:
             )
         if self.metrics_tls and self.tls_cert_file is None:
             raise ConfigError("metrics_tls needs TLS: set tls_cert_file and tls_key_file")
+        for pool in ("prefill", "decode"):
+            path = getattr(self, pool).placement_file
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(
+                    f"{pool}.placement_file {path!r} does not exist (write one with "
+                    "`epcluster rebalance --save FILE`)"
+                )
         self._check_bind()
 
     def _check_bind(self) -> None:
@@ -300,13 +307,6 @@ class ClusterConfig:
             "tls_client_ca_file (mutual TLS); or set allow_insecure_bind: true to serve it open "
             "(--allow-insecure-bind)"
         )
-        for pool in ("prefill", "decode"):
-            path = getattr(self, pool).placement_file
-            if path is not None and not Path(path).is_file():
-                raise ConfigError(
-                    f"{pool}.placement_file {path!r} does not exist (write one with "
-                    "`epcluster rebalance --save FILE`)"
-                )
 
     @property
     def keeps_pools(self) -> bool:
@@ -376,15 +376,18 @@ class ClusterConfig:
                 raise ConfigError(f"cannot read the config file {path}: {e.strerror}") from e
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path} is not valid YAML: {e}") from e
-        config = cls.from_dict(raw)
-        pools = {}
-        for pool in ("prefill", "decode"):
-            n = overrides.pop(f"{pool}_ranks", None)
-            if n is not None:
-                pools[pool] = replace(getattr(config, pool), num_ranks=n)
+        ranks = {pool: overrides.pop(f"{pool}_ranks", None) for pool in ("prefill", "decode")}
         overrides = {k: v for k, v in overrides.items() if v is not None}
         _reject_unknown(overrides, cls, "")
-        return replace(config, **pools, **overrides)
+        if isinstance(raw, dict):
+            # NOTE: the flags join the file's fields before the checks, so that a check over
+            # several fields sees both (a public host in the file, its token file as a flag)
+            raw = {**raw, **overrides}
+        config = replace(cls.from_dict(raw), **overrides)
+        pools = {
+            p: replace(getattr(config, p), num_ranks=n) for p, n in ranks.items() if n is not None
+        }
+        return replace(config, **pools) if pools else config
 
 
 def _reject_unknown(data: dict[str, Any], cls: type, prefix: str) -> None:

@@ -38,6 +38,10 @@ BAD_YAML = {
     "missing token file": ("auth_token_file: /nowhere/token", "auth_token_file '/nowhere/token'"),
     "cert without key": ("tls_cert_file: /etc/hostname", "tls_cert_file and tls_key_file go"),
     "client CA without TLS": ("tls_client_ca_file: /etc/hostname", "needs TLS: set tls_cert"),
+    "public host, no token": ("host: 0.0.0.0", "without authentication: set auth_token_file"),
+    "public IPv6, no token": ("host: '::'", "or set allow_insecure_bind: true"),
+    "metrics TLS without TLS": ("metrics_tls: true", "metrics_tls needs TLS: set tls_cert_file"),
+    "missing admin token file": ("admin_token_file: /nowhere/a", "admin_token_file '/nowhere/a'"),
     "CUDA graphs on prefill": (
         "prefill: {cuda_graph: true}",
         "prefill.cuda_graph is for the decode pool: prefill ranks run no decode steps",

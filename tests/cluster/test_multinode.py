@@ -66,6 +66,7 @@ def served(request, nodes):
     config = {
         "model": "tiny",
         "host": nodes.addr(0),
+        "allow_insecure_bind": True,  # a private network namespace of this test's
         "port": PORT,
         "metrics_port": METRICS_PORT,
         "rank_metrics_port": 9401,
