@@ -19,6 +19,7 @@ def demo(nodes: Nodes) -> None:
     config = {
         "model": "tiny",
         "host": nodes.addr(0),
+        "allow_insecure_bind": True,  # the demo's private network namespaces
         "ray_address": nodes.ray_address,
         "prefill": {"num_ranks": 2, "resources": {"epcluster_prefill": 1}},
         "decode": {"num_ranks": 2, "resources": {"epcluster_decode": 1}},
