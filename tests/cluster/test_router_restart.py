@@ -269,6 +269,41 @@ def test_a_new_router_attaches_to_the_running_pools(head):
     assert head.identities()["ranks"] == before
 
 
+def test_a_re_formed_pool_is_attached_to_at_its_new_generation(head):
+    """A decode rank killed under an attached router: that router re-forms the pool (actors
+    named ...-g1, recorded); a router started after it attaches to generation 1."""
+    serve, _ = head.serve(router_config(head))
+    before = head.identities()["ranks"]
+    victim = before[f"epcluster-{NAME}-decode-1"]
+    gen = victim["generation"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    with InferenceClient(address_of(serve), timeout=120) as client:
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            now = head.identities()["ranks"]
+            decode = {n: r for n, r in now.items() if "-decode-" in n}
+            if sorted(decode) == [
+                f"epcluster-{NAME}-decode-{r}-g{gen + 1}" for r in (0, 1)
+            ] and all(r["joined"] for r in decode.values()):
+                break
+            time.sleep(1)
+        assert sorted(decode) == [f"epcluster-{NAME}-decode-{r}-g{gen + 1}" for r in (0, 1)], now
+        assert {n: r for n, r in now.items() if "-prefill-" in n} == {
+            n: r for n, r in before.items() if "-prefill-" in n
+        }  # the other pool was not touched
+        assert client.complete([5, 6, 7], SamplingParams(max_tokens=4)).num_completion_tokens == 4
+        wait_quiet(client, timeout=60)
+    assert serve.stop(120) == 0
+    again, _ = head.serve(router_config(head))
+    log = again.output(200)
+    assert f"decode generation {gen + 1}" in log and "re-forming" not in log, log
+    assert head.identities()["ranks"] == now
+    with InferenceClient(address_of(again), timeout=120) as client:
+        assert client.complete([5, 6, 7], SamplingParams(max_tokens=4)).num_completion_tokens == 4
+        wait_quiet(client, timeout=60)
+    assert again.stop(120) == 0
+
+
 def test_a_router_with_another_config_is_refused_and_stop_removes_the_pools(head):
     if not head.identities()["ranks"]:  # run alone: a router starts the pools, and goes
         serve, _ = head.serve(router_config(head))
