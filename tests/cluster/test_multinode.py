@@ -72,6 +72,7 @@ def served(request, nodes):
         "rank_metrics_port": 9401,
         "ray_address": nodes.ray_address,
         "kv_transport": request.param,
+        "keep_pools": False,  # the next transport's router starts its own (a joined Ray keeps them)
         "prefill": {"num_ranks": 2, "resources": {"epcluster_prefill": 1}},
         "decode": {"num_ranks": 2, "resources": {"epcluster_decode": 1}},
     }
