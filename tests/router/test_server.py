@@ -161,11 +161,11 @@ INVALID = {
     ),
     "max_tokens 0": (
         pb.GenerateRequest(token_ids=OK_IDS, sampling_params=SP(max_tokens=0)),
-        "max_tokens must be an int >= 1",
+        "max_tokens must be an int in [1,",
     ),
     "temperature < 0": (
         pb.GenerateRequest(token_ids=OK_IDS, sampling_params=SP(temperature=-0.5)),
-        "temperature must be >= 0",
+        "temperature must be in [0,",
     ),
     "temperature nan": (
         pb.GenerateRequest(token_ids=OK_IDS, sampling_params=SP(temperature=math.nan)),
@@ -197,7 +197,7 @@ INVALID = {
     ),
     "stop token < 0": (
         pb.GenerateRequest(token_ids=OK_IDS, sampling_params=SP(stop_token_ids=[-3])),
-        "stop_token_ids must hold ints >= 0",
+        "stop_token_ids must hold ints in [0,",
     ),
     "stop token = vocab": (
         pb.GenerateRequest(token_ids=OK_IDS, sampling_params=SP(stop_token_ids=[512])),
