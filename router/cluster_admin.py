@@ -14,13 +14,11 @@ from engine.messages import (
     RankStatus,
     RebalanceStatus,
 )
-from router import pools as _pools
 from router.backend import Unavailable
 from router.cluster_types import RoutingConfig
-from router.pools import Pools, RankFailed
+from router.pools import Pools, RankCallFailed, RankFailed
 
-# A rank gone (RankFailed) or a call to it lost (RankCallFailed, where router/pools.py has it)
-RANK_ERRORS = (RankFailed, getattr(_pools, "RankCallFailed", RankFailed))
+RANK_ERRORS = (RankFailed, RankCallFailed)  # a rank gone, or a call to it lost
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +120,7 @@ class ClusterAdmin:
         return targets
 
 
-def _unavailable(e: RankFailed) -> Unavailable:
+def _unavailable(e: RankFailed | RankCallFailed) -> Unavailable:
     """A rank's failure as the backend's Unavailable (the server answers UNAVAILABLE, not UNKNOWN
     with a class name), in one line."""
     why = (e.why.strip().splitlines() or ["no reason given"])[0]
