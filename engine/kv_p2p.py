@@ -9,9 +9,13 @@ Order: NCCL ignores tags and matches the sends and receives between two ranks in
 are posted, so every send carries its number among the sender's sends to that receiver (`seq`)
 and the receiver posts receives strictly in that order, whatever order the requests' `start`
 calls arrive in (a receive waits for its turn, up to the timeout). Gloo matches by tag too.
-A turn that does not come within the timeout (its handle never reached this rank: the router
-lost it) is given up, so one loss never holds the pair up for good: the receive waiting for it
-goes ahead, and if the late handle comes after all, gloo (matching by tag) still receives it.
+A turn that does not come within half the timeout (its handle never reached this rank: the
+router lost it) is given up, so one loss never holds the pair up for good: the receive waiting
+for it goes ahead while its own send is still posted (a send waits for its match up to the
+timeout; half leaves the other half for the transfer), and if the late handle comes after all,
+gloo (matching by tag) still receives it. NOTE: a send that was posted and is never matched
+still times out on the sender, and gloo then closes that pair: the transfers after it fail
+over to the object store and the group is rebuilt (the router takes every KV off to avoid it).
 
 NOTE: when one send or recv times out, gloo closes every connection of that rank (not only the
 one to that peer): from then on every transfer of that rank, and every peer's transfer with it,
@@ -61,6 +65,7 @@ class TorchP2PTransport:
         assert 0 <= rank < world_size, (rank, world_size)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.epoch, self.backend = epoch, backend
+        self.turn_timeout_s = timeout_s / 2  # a receive waits this long for its turn
         timeout = timedelta(seconds=timeout_s)
         store = dist.PrefixStore("kv_p2p", store)  # keys apart from any other group on the store
         if backend == "gloo":
@@ -138,7 +143,7 @@ class TorchP2PTransport:
         data = torch.empty(handle.shape, dtype=dtype, device=self.device)  # [L, T, C]
         src, seq = handle.src, handle.seq
         with self._order:
-            if not self._order.wait_for(lambda: self._recv_next[src] >= seq, self.timeout_s):
+            if not self._order.wait_for(lambda: self._recv_next[src] >= seq, self.turn_timeout_s):
                 self._give_up(src, seq)
             late = self._recv_next[src] > seq
             if late and (seq not in self._given_up[src] or self.backend == "nccl"):
@@ -160,16 +165,16 @@ class TorchP2PTransport:
         return KVPayload(handle.request_id, data, handle.num_cached_tokens)
 
     def _give_up(self, src: int, seq: int) -> None:
-        """The turns of `src` before `seq` did not come within the timeout: give them up (the
-        caller holds _order), so the pair goes on."""
+        """The turns of `src` before `seq` did not come within turn_timeout_s: give them up
+        (the caller holds _order), so the pair goes on."""
         missing = range(self._recv_next[src], seq)
         log.warning(
-            "KV from rank %d to rank %d: #%d-#%d never came in %.0f s: their turns are given up",
+            "KV from rank %d to rank %d: #%d-#%d never came in %.1f s: their turns are given up",
             src,
             self.rank,
             missing.start,
             missing.stop - 1,
-            self.timeout_s,
+            self.turn_timeout_s,
         )
         given_up = self._given_up[src]
         given_up.update(missing)

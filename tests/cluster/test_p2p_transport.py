@@ -1,7 +1,9 @@
 """The cluster with the torch.distributed point-to-point KV transport (gloo here, NCCL on GPUs),
 serving the trained default model: the same tokens and text as the in-process engine, and no
 block left behind; a transfer that is lost resumes its request through the object store, the
-transport group is rebuilt, and later transfers go point to point again."""
+transport group is rebuilt, and later transfers go point to point again; no pool re-forms for it
+(a short kv_transfer_timeout_s keeps the lost transfer's wait short; test_p2p_timeouts runs the
+shipped defaults)."""
 
 import asyncio
 import time
@@ -82,6 +84,7 @@ def test_a_lost_send_falls_back_to_the_object_store_and_the_group_is_rebuilt(clu
     want = LLM("tiny").generate(prompts, params)
     backend = cluster.backend
     fallbacks, rebuilds = backend.num_kv_fallbacks, backend.num_kv_rebuilds
+    reforms = [backend.pools[name].num_reforms for name in ("prefill", "decode")]
     ray.get(cluster.pools["prefill"].actors[0].debug_drop_kv_sends.remote(1), timeout=30)
 
     got = run(cluster, prompts, params)
@@ -91,6 +94,7 @@ def test_a_lost_send_falls_back_to_the_object_store_and_the_group_is_rebuilt(clu
     while backend.num_kv_rebuilds == rebuilds and time.monotonic() < end:
         time.sleep(0.1)
     assert backend.num_kv_rebuilds == rebuilds + 1
+    assert [backend.pools[name].num_reforms for name in ("prefill", "decode")] == reforms
     assert_quiet(cluster)
 
     before = p2p_received(cluster)  # the rebuilt group carries the next transfers
