@@ -11,6 +11,8 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import uvicorn
+
 from router.auth import ServerSecurity
 
 OPEN_PATHS = frozenset({"/health"})
@@ -73,3 +75,22 @@ def uvicorn_ssl(security: ServerSecurity) -> dict[str, Any]:
     if ca is not None:
         options.update(ssl_ca_certs=ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     return options
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, stopping without asyncio's 30 s TLS shutdown wait on idle connections.
+
+    NOTE: closing a TLS connection waits for the peer's close_notify (ssl_shutdown_timeout, 30 s,
+    which uvicorn does not set); a client's idle keep-alive connection never answers it, so a
+    stopping router hung for 30 s per stop. Idle TLS connections are dropped instead; those with
+    a response in flight finish as uvicorn lets them."""
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        if self.config.is_ssl:
+            for conn in list(self.server_state.connections):
+                cycle = getattr(conn, "cycle", None)
+                if getattr(conn, "transport", None) is not None and (
+                    cycle is None or cycle.response_complete
+                ):
+                    conn.transport.abort()
+        await super().shutdown(sockets)

@@ -172,7 +172,7 @@ async def start(
     """Serve `app` on host:port (0: a free one) on the running loop, under `security` (TLS,
     mutual TLS, the token: router/http_auth.py); -> the server, its task, the bound port."""
     security = security or ServerSecurity()
-    server = uvicorn.Server(
+    server = http_auth.Server(  # NOTE: uvicorn.Server, stopping idle TLS connections at once
         uvicorn.Config(
             http_auth.guard(app, security),
             host=host,

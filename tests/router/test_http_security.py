@@ -8,6 +8,7 @@ handshake. The router's metrics port (engine/metrics_server.py) with TLS and a t
 
 import http.client
 import json
+import logging
 import shutil
 import ssl
 import subprocess
@@ -227,3 +228,25 @@ def test_the_metrics_port_with_tls_and_a_token(pki):
         assert raw(server.port, "/metrics", f"Bearer {TOKEN}", context(pki))[0] == 200
     finally:
         server.close()
+
+
+def test_an_idle_tls_client_does_not_hold_the_stop(backend, pki, want, caplog):
+    """A client's idle keep-alive TLS connection never answers the server's close_notify: the
+    stop drops it (router/http_auth.py Server) instead of waiting out asyncio's TLS shutdown
+    and being cancelled by RouterServer.stop."""
+    security = ServerSecurity.from_files(cert_file=pki["server_cert"], key_file=pki["server_key"])
+    server = start(backend, security)
+    http_client = openai.DefaultHttpxClient(verify=context(pki))
+    oa = openai.OpenAI(
+        base_url=f"https://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
+        http_client=http_client,
+    )  # fmt: skip
+    try:
+        assert oa.completions.create(**BODY).choices[0].text == want  # its connection stays
+        with caplog.at_level(logging.WARNING, "router.server"):
+            server.stop()
+        assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
+        assert server._http_task.done() and not server._http_task.cancelled()
+    finally:
+        oa.close()
+        server.stop()
