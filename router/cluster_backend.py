@@ -214,9 +214,10 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         if first is None:  # deadline or abort during the prefill
             yield self._aborted(route)
             return
+        start = None if route.done else self._start_decode(route)
         yield first
-        if not route.done:
-            async for delta in self._decode_phase(route):
+        if start is not None:
+            async for delta in self._decode_phase(route, start):
                 yield delta
 
     async def _wait_for_pools(self, request: GenerateRequest) -> bool | None:
@@ -296,13 +297,22 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         route.done = route.first.finished  # finished on the prefill rank (EOS, a stop, ...)
         return route.first
 
-    async def _decode_phase(self, route: Route) -> AsyncIterator[RequestOutput]:
-        """Hand the prompt's KV to the decode rank and stream its deltas until the finish, the
-        deadline or an abort."""
+    def _start_decode(self, route: Route) -> asyncio.Task:
+        """Hand the prompt's KV to the decode rank now, while the client takes the first token:
+        a client that stops reading must not keep the KV object pinned, nor (p2p) leave its
+        send unmatched. If the attempt ends first, _release aborts it on the decode rank."""
         rank = self.pools["decode"].ranks[route.decode]
         handle, route.kv = route.kv, None
+        task = asyncio.ensure_future(rank.start(route.wire, route.first, handle, self.router_id))
+        task.add_done_callback(_retrieved)  # nobody may await it (the client went away)
+        return task
+
+    async def _decode_phase(
+        self, route: Route, start: asyncio.Task
+    ) -> AsyncIterator[RequestOutput]:
+        """Wait for the decode rank to take the KV (`start`), then stream its deltas until the
+        finish, the deadline or an abort."""
         try:
-            start = rank.start(route.wire, route.first, handle, self.router_id)
             started = await self._within(route, start, watch_queue=False)
         except (RankFailed, asyncio.CancelledError):
             raise
@@ -313,8 +323,6 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
             raise KVTransferFailed(
                 f"the prompt's KV cache did not reach decode rank {route.decode}: {e}"
             ) from e
-        finally:
-            del handle  # the decode rank has the KV: its object can go
         if started is _ABORTED:  # the deadline, while the KV was on its way
             yield self._aborted(route)
             return
@@ -413,7 +421,9 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
                 if decode.generation == route.decode_gen:
                     room.hold(wire.request_id, taken)
                 return i
-            route.decode = None
+            # NOTE: decode_gen too: a request cancelled while it waits held nothing, so
+            # _forget_reserve has nothing to abort on the pool's ranks
+            route.decode, route.decode_gen = None, -1
             room.refused(i, needed, live[i])
         return None
 
@@ -533,3 +543,9 @@ def _queued(item: Any) -> Any:
     if isinstance(item, BaseException):
         raise item
     return _ABORTED if item is None else item
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a task's exception retrieved (whoever needs it awaits the task)."""
+    if not task.cancelled():
+        task.exception()

@@ -327,15 +327,16 @@ def test_a_kv_start_that_keeps_failing_ends_unavailable_after_max_resumes():
     run(main())
 
 
-def test_a_stream_closed_after_the_first_token_discards_the_unsent_kv():
+def test_a_stream_closed_after_the_first_token_still_hands_the_kv_over_and_aborts_it():
     async def main():
         backend, prefill, decode = await started_backend()
         stream = backend.generate(request("c"))
-        await anext(stream)
-        await stream.aclose()  # the decode never started: the KV must still be taken off
+        await anext(stream)  # the KV goes to the decode rank while the client takes this
+        await stream.aclose()
         wire = prefill.calls[0].request_id
-        assert decode.discarded == [("kv", wire)] and decode.started == []
-        assert decode.aborted == [wire] and prefill.aborted == [wire] and not decode.reserved
+        assert [(r.request_id, kv) for r, kv in decode.started] == [(wire, ("kv", wire))]
+        assert decode.discarded == [] and decode.aborted == [wire] and prefill.aborted == [wire]
+        assert not decode.reserved and not decode.running and not backend._routes
         await backend.close()
 
     run(main())
