@@ -148,7 +148,8 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
                     return
                 except RankFailed as e:
                     mark_suspects(self._routes, e.suspects)
-                    self.pools.fail(e.pool, e.rank, e.why)
+                    gen = route.prefill_gen if e.pool == "prefill" else route.decode_gen
+                    self.pools.fail(e.pool, e.rank, e.why, generation=gen if gen >= 0 else None)
                     await asyncio.shield(self._release(route))
                     if route.strike():  # poison: it was in the step that killed a rank, twice
                         raise RequestFailed(
