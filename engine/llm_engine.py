@@ -15,13 +15,13 @@ from engine.balancer import Balancer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import update_text
+from engine.engine_reports import EngineReports
 from engine.handoff import Reservations
 from engine.kv_transfer import export_kv
 from engine.messages import (
     GenerateRequest,
     KVPayload,
     PrefillResult,
-    RankStatus,
     RequestFailed,
     RequestOutput,
     Resume,
@@ -41,7 +41,7 @@ from moe.placement import Placement
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineReports):
     """One rank. With an expert-parallel `ep_group`, every step is a collective: the ranks agree
     (one small all-reduce) on whether any has work and whether to split into two micro-batches,
     and a rank with nothing to do steps with an empty batch."""
@@ -271,30 +271,6 @@ class LLMEngine:
         steps): read when the step's exception stopped the engine."""
         return tuple(r.request_id for r in self._stepping)
 
-    def _record_step(self, started: float, batch: ScheduledBatch, split: bool | None) -> None:
-        """Counters for the rank's metrics (plain adds on this thread; read at scrape)."""
-        if not self.config.metrics:
-            return
-        s, comm, last = self.stats, self.comm, self._last_comm
-        s.observe("epcluster_step_duration_seconds", time.perf_counter() - started)
-        s.observe("epcluster_step_tokens", sum(batch.num_new_tokens))
-        s.observe("epcluster_step_batch_size", len(batch.requests))
-        s.set("epcluster_engine_steps_total", self.num_steps)
-        s.set("epcluster_preemptions_total", self.scheduler.num_preemptions)
-        s.set("epcluster_prefix_cache_queries_total", self.scheduler.num_prefix_queried)
-        s.set("epcluster_prefix_cache_hits_total", self.scheduler.num_prefix_hits)
-        s.set("epcluster_routed_tokens_total", comm.rows)
-        if split is None:  # no expert parallelism: no all-to-all
-            return
-        s.inc("epcluster_tbo_steps_total", 1, "yes" if split else "no")
-        s.observe("epcluster_alltoall_duration_seconds", comm.dispatch_s - last[0], "dispatch")
-        s.observe("epcluster_alltoall_duration_seconds", comm.combine_s - last[1], "combine")
-        self._last_comm = (comm.dispatch_s, comm.combine_s)
-        s.set("epcluster_alltoall_exposed_seconds_total", comm.dispatch_wait_s, "dispatch")
-        s.set("epcluster_alltoall_exposed_seconds_total", comm.combine_wait_s, "combine")
-        s.set("epcluster_alltoall_bytes_total", comm.dispatch_bytes, "dispatch")
-        s.set("epcluster_alltoall_bytes_total", comm.combine_bytes, "combine")
-
     def postprocess(self, batch: ScheduledBatch, sampled: RunOutput) -> StepResult:
         """Each request's new token, finish and hand-off. A request whose rows failed in the
         runner, or whose own postprocessing raises, ends alone with finish_reason "error"."""
@@ -369,50 +345,6 @@ class LLMEngine:
         if update_text(req, self.tokenizer, finished=length):
             return "stop"
         return "length" if length else None
-
-    def rank_status(self, pool: str, rank: int, ready: bool) -> RankStatus:
-        """This engine's load, for routing and GetClusterStatus (a snapshot: when read from
-        another thread, the counters may be a step apart)."""
-        bm = self.block_manager
-        return RankStatus(
-            pool,
-            rank,
-            ready,
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
-            bm.num_used_blocks,
-            bm.num_blocks,
-            bm.num_cached_blocks,
-            len(self.reservations),
-            bm.block_size,
-            {
-                layer: list(m.experts.expert_ids)
-                for layer, m in zip(self.model.config.moe_layers, self.model.moe_layers())
-            },
-            max_model_len=self.max_model_len,
-            rebalance=dataclasses.replace(self.balancer.last) if self.balancer else None,
-        )
-
-    def expert_load(self) -> dict[int, tuple[list[int], list[int]]]:
-        """MoE layer -> (tokens this rank routed to each physical slot [S], the logical expert
-        in each slot [S]) since the start. One host sync: call it between steps, not per step."""
-        out = {}
-        for layer, moe in zip(self.model.config.moe_layers, self.model.moe_layers(), strict=True):
-            d = moe.dispatcher
-            experts = d.slot_experts
-            tokens = d.load.tolist() if d.load is not None else [0] * len(experts)
-            out[layer] = (tokens, experts)
-        return out
-
-    def assert_no_leaks(self) -> None:
-        """With no request alive, every KV block is free or cached and unreferenced."""
-        assert not self.has_unfinished(), "requests are still alive"
-        assert not self.reservations, f"reservations still held: {self.reservations.ids()}"
-        self.block_manager.assert_idle()
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
 
 
 def _checked(params: SamplingParams) -> SamplingParams:
