@@ -383,7 +383,7 @@ class ClusterConfig:
             # NOTE: the flags join the file's fields before the checks, so that a check over
             # several fields sees both (a public host in the file, its token file as a flag)
             raw = {**raw, **overrides}
-        config = replace(cls.from_dict(raw), **overrides)
+        config = cls.from_dict(raw)  # the overrides are in raw (a non-mapping is refused)
         pools = {
             p: replace(getattr(config, p), num_ranks=n) for p, n in ranks.items() if n is not None
         }

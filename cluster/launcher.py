@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 
 RAY_START_ATTEMPTS = 3
+# A pool's start waits start_timeout_s for its placement (Pool.start says which pool lacks
+# resources); forming it as a whole gets this much more, so that message is the one raised.
+PLACEMENT_GRACE_S = 10.0
 
 
 def _start_local_ray(num_cpus: int) -> None:
@@ -167,7 +170,8 @@ class Cluster:
                 )
                 scheme = "http" if c.tls_cert_file is None else "https"
                 log.info("OpenAI-compatible HTTP on %s://%s:%d/v1", scheme, c.host, port)
-            self.server.call(asyncio.wait_for(self._start_pools(opened.to_form), c.start_timeout_s))
+            forming = self._start_pools(opened.to_form)
+            self.server.call(asyncio.wait_for(forming, c.start_timeout_s + PLACEMENT_GRACE_S))
             if not self.server.wait_ready(30):
                 raise RuntimeError("the pools started but the router never became ready")
             how = "attached to the running pools" if self.attached else "started its pools"
@@ -245,7 +249,8 @@ class Cluster:
         if placement is not None:
             pool.placement = placement
         started = time.monotonic()
-        wait = self.config.start_timeout_s  # then Pools retries: a new generation
+        # then Pools retries: a new generation
+        wait = self.config.start_timeout_s + PLACEMENT_GRACE_S
         if self.config.kv_transport != "p2p":
             await asyncio.wait_for(pool.reform(), wait)
         else:

@@ -1,7 +1,8 @@
 """ClusterBackend's running parts and how it follows its pools: start and close; one delta
-stream per decode rank (a stream that ends or breaks fails its rank); the renewal of the KV
-reservations' leases while their prefill runs; the requests of a failed pool resumed once it
-re-forms; the p2p KV group rebuilt after a transfer error."""
+stream per decode rank (a stream that ends or breaks fails its rank; one the rank ends because
+it dropped this router's lease is opened again, its requests resumed); the renewal of the KV
+reservations' leases while their prefill runs, each rank on its own clock; the requests of a
+failed pool resumed once it re-forms; the p2p KV group rebuilt after a transfer error."""
 
 import asyncio
 import logging
@@ -43,7 +44,7 @@ class ClusterStreams:
         self._started = True
 
     async def close(self) -> None:
-        for task in [*self._readers, self._renewer, self._periodic]:
+        for task in [*self._readers, self._renewer, self._periodic, self._kv_rebuild]:
             if task is not None:
                 task.cancel()
         await self.pools.close()

@@ -194,3 +194,19 @@ def test_a_ray_start_that_times_out_is_cleaned_up_and_retried(monkeypatch):
     monkeypatch.setattr(launcher.ray, "init", lambda **kw: (_ for _ in ()).throw(ValueError("x")))
     with pytest.raises(ValueError):  # any other error: no retry
         launcher._start_local_ray(num_cpus=3)
+
+
+def test_a_pool_ray_cannot_place_fails_the_start_naming_it_and_nothing_stays_up():
+    """placement_group.ready() waits forever for a bundle no node offers: Pool.start gives up
+    after start_timeout_s with the pool named, and the start cleans up what it started."""
+    before = set(ray_descendants())
+    nowhere = {"num_ranks": 1, "resources": {"epcluster_nowhere": 1.0}}
+    cluster = make_cluster(start_timeout_s=3.0, prefill=nowhere, decode_ranks=1)
+    with pytest.raises(TimeoutError, match="the prefill pool's 1 bundles were not placed in 3 s"):
+        cluster.start()
+    assert cluster.pools == {} and cluster.server is None
+    ours = {p: c for p, c in ray_descendants().items() if p not in before}
+    end = time.monotonic() + 30
+    while alive(ours) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not alive(ours), {pid: ours[pid] for pid in alive(ours)}

@@ -239,6 +239,7 @@ def test_a_new_router_attaches_to_the_running_pools(head):
     print(f"second router: attached and ready in {attach_s:.1f} s (process start to ready)")
     log = second.output(200)
     assert "attached to the running pools" in log and "started its pools" not in log, log
+    print("".join(x for x in second.lines if "attached to the running pools of" in x), end="")
     assert "re-forming" not in log, log
     assert head.identities()["ranks"] == before  # the same actors, processes and generation
 

@@ -292,3 +292,22 @@ def test_no_new_reservation_on_a_rank_whose_preempted_requests_wait():
     ]
     assert decode_preference(ranks, [0, 0], 5) == [1]
     assert decode_preference(ranks, [0, 48], 5) == []
+
+
+def test_a_waiter_refused_then_cancelled_sends_no_abort():
+    """Its one reserve was refused, so it holds nothing: leaving costs the ranks no call."""
+
+    async def main():
+        backend, prefill, decode = await full_backend()  # no poller: the view says 2 free
+        decode.blocks["another-router"] = 2 * NEEDED
+        (waiter,) = await queue_waiters(backend, 1)
+        assert decode.granted == [] and backend._room.taken() == [2 * NEEDED - 1]  # refused
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        for _ in range(20):  # background calls, had any been made, would have run
+            await asyncio.sleep(0)
+        assert decode.aborted == [] and backend._room.num_waiting == 0
+        await backend.close()
+
+    run(main())
