@@ -42,7 +42,8 @@ def serve_main(num_prefill: int, num_decode: int, waiters: int, call_s: float) -
     from engine.messages import ModelInfo, RankStatus
     from engine.tokenizer import Tokenizer
     from router.admission import AdmissionConfig
-    from router.cluster_backend import ClusterBackend, RoutingConfig
+    from router.cluster_backend import ClusterBackend
+    from router.routing import RoutingConfig
     from router.server import serve
 
     counts = {"status": 0, "reserve": 0, "other": 0}

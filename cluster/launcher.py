@@ -25,9 +25,10 @@ from moe.config import ModelConfig
 from moe.loader import resolve_model_path
 from router.admission import AdmissionConfig
 from router.auth import ServerSecurity, read_token
-from router.cluster_backend import ClusterBackend, RoutingConfig
+from router.cluster_backend import ClusterBackend
 from router.metrics import RouterMetrics
 from router.pools import HealthConfig
+from router.routing import RoutingConfig
 from router.server import RouterServer, serve
 
 log = logging.getLogger(__name__)

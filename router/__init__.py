@@ -12,8 +12,9 @@ vllm_grpc.py     vLLM's engine gRPC protocol (vllm.grpc.engine.VllmEngine) for g
 grpc_service.py  registers a service so that an unparsable request is INVALID_ARGUMENT
 auth.py          TLS, mutual TLS and the bearer token: server side and client channels
 client.py        InferenceClient, AsyncInferenceClient
-cluster_backend.py, pools.py, routing.py: the Backend over the Ray pools (health, re-forming);
-                 cluster_types.py its rank handles, settings and request state,
-                 cluster_admin.py its status, rebalances, expert load and service discovery
+cluster_backend.py the Backend over the pools, made of: route_table.py (requests in flight),
+                 decode_streams.py, lease_renewer.py, cluster_admin.py (status, rebalances,
+                 expert load, service discovery); ranks.py the rank Protocols, pools.py the
+                 health watch and re-forming, routing.py where a request goes (RoutingConfig)
 metrics.py       the router's Prometheus metrics
 """

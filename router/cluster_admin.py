@@ -1,10 +1,12 @@
 """What ClusterBackend answers operators with: the pools' status, expert rebalances (on demand
-and every eplb_interval_s), the experts' load, and Prometheus service discovery."""
+and every eplb_interval_s: the admin owns that task), the experts' load, and Prometheus service
+discovery."""
 
 import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 from engine.messages import (
     ClusterStatus,
@@ -15,8 +17,9 @@ from engine.messages import (
     RebalanceStatus,
 )
 from router.backend import Unavailable
-from router.cluster_types import RoutingConfig
 from router.pools import Pools, RankCallFailed, RankFailed
+from router.route_table import RouteTable
+from router.routing import RoutingConfig
 
 RANK_ERRORS = (RankFailed, RankCallFailed)  # a rank gone, or a call to it lost
 
@@ -24,12 +27,23 @@ log = logging.getLogger(__name__)
 
 
 class ClusterAdmin:
-    """Mixed into ClusterBackend, whose pools, routing and model info it reads."""
+    """Reads the pools (and the route table's count of requests in flight); owns the periodic
+    rebalance."""
 
-    pools: Pools
-    routing: RoutingConfig
-    _model_info: ModelInfo
-    _by_client: dict
+    def __init__(
+        self, pools: Pools, routing: RoutingConfig, model_info: ModelInfo, routes: RouteTable
+    ) -> None:
+        self.pools, self.routing, self.model_info, self.routes = pools, routing, model_info, routes
+        self._periodic: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """The periodic rebalance, when eplb_interval_s asks for one."""
+        if self.routing.eplb_interval_s > 0:
+            self._periodic = asyncio.create_task(self._rebalance_forever())
+
+    def close(self) -> None:
+        if self._periodic is not None:
+            self._periodic.cancel()
 
     async def status(self) -> ClusterStatus:
         with contextlib.suppress(Exception):
@@ -38,11 +52,11 @@ class ClusterAdmin:
         for name in ("prefill", "decode"):
             pool = self.pools[name]
             ranks = [
-                self.pools.status.get((name, i)) or RankStatus(name, i, False, 0, 0, 0, 0)
+                self.pools.status.get((name, i)) or RankStatus.down(name, i)
                 for i in range(len(pool.ranks))
             ]
             pools.append(PoolStatus(name, ranks))
-        return ClusterStatus(pools, num_in_flight=len(self._by_client))
+        return ClusterStatus(pools, num_in_flight=len(self.routes.by_client))
 
     async def rebalance(
         self, pool: str | None = None, timeout_s: float = 300.0
@@ -103,19 +117,19 @@ class ClusterAdmin:
             for layer, (tokens, experts) in loads[0].items():
                 total = [sum(load[layer][0][s] for load in loads) for s in range(len(tokens))]
                 layers[layer] = (total, experts)
-            out.append(PoolLoad(name, len(ranks), self._model_info.num_routed_experts, layers))
+            out.append(PoolLoad(name, len(ranks), self.model_info.num_routed_experts, layers))
         return out
 
     def pool_ready(self, pool: str) -> float:
         return 1.0 if self.pools[pool].ready.is_set() else 0.0
 
-    def sd_targets(self) -> list[dict]:
+    def sd_targets(self) -> list[dict[str, Any]]:
         """Prometheus HTTP service discovery: every rank's /metrics, labelled by pool and rank
         (read from the ranks' last status; re-formed ranks appear with their new ports)."""
         targets = []
         for (pool, rank), status in sorted(self.pools.status.items()):
             if status.metrics_endpoint:
-                labels = {"pool": pool, "rank": str(rank), "model_name": self._model_info.model}
+                labels = {"pool": pool, "rank": str(rank), "model_name": self.model_info.model}
                 targets.append({"targets": [status.metrics_endpoint], "labels": labels})
         return targets
 

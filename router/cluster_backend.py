@@ -14,7 +14,8 @@ prefill runs, so a router that dies leaves nothing held for long.
 
 Requests reach the ranks under ids this router issues (router id + a counter + the attempt), so
 any number of routers can share the pools; the client's id stays on its own messages.
-The rank handles are duck-typed (cluster/ wraps Ray actors in them); this module imports no Ray.
+The rank handles are Protocols (router/ranks.py: cluster/ wraps Ray actors in them); this module
+imports no Ray.
 """
 
 import asyncio
@@ -27,32 +28,29 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.messages import (
+    ClusterStatus,
     GenerateRequest,
     ModelInfo,
+    PoolLoad,
     RankStatus,
+    RebalanceStatus,
     RequestFailed,
     RequestOutput,
     Resume,
 )
 from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
+from router.attempt_errors import AttemptLost, KVTransferFailed, P2PTransferFailed
 from router.backend import Overloaded, Unavailable
 from router.cluster_admin import ClusterAdmin
-from router.cluster_streams import ClusterStreams
-from router.cluster_types import (
-    AttemptLost,
-    DecodeRank,
-    KVTransferFailed,
-    P2PTransferFailed,
-    PrefillRank,
-    Route,
-    RoutingConfig,
-    mark_suspects,
-)
-from router.decode_room import DecodeRoom, Turn
+from router.decode_room import Turn
+from router.decode_streams import DecodeStreams
+from router.lease_renewer import LeaseRenewer
 from router.metrics import RouterMetrics
 from router.pools import HealthConfig, PoolControl, Pools, RankCallFailed, RankFailed
-from router.routing import decode_preference, prefill_choice, prefix_key
+from router.ranks import DecodeRank, PrefillRank
+from router.route_table import Route, RouteTable
+from router.routing import RoutingConfig, decode_preference, prefill_choice, prefix_key
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +59,10 @@ _ABORTED = object()  # _within: the deadline passed or the request was aborted
 _NOTHING = object()  # _within: nothing came from the route's queue
 
 
-class ClusterBackend(ClusterStreams, ClusterAdmin):
+class ClusterBackend:
+    """The request path (below) over its parts, each the owner of its state: the route table,
+    the decode streams, the lease renewer, the admin (status, rebalances, expert load)."""
+
     def __init__(
         self,
         prefill: list[PrefillRank],
@@ -76,7 +77,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
     ) -> None:
         self._model_info, self.tokenizer = model_info, tokenizer
         self.block_size = block_size
-        self.routing = routing or RoutingConfig()
+        self.routing = routing = routing or RoutingConfig()
         self.pools = Pools(
             prefill,
             decode,
@@ -89,21 +90,93 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         self.metrics = metrics
         self.router_id = uuid.uuid4().hex
         self._seq = itertools.count()
-        self._routes: dict[str, Route] = {}  # wire id -> route
-        self._by_client: dict[str, Route] = {}  # client's request id -> route
-        self._prefill_load = [0] * len(prefill)  # prompt tokens this router has in flight
-        # the decode ranks' free blocks as this router sees them, and the requests waiting
-        self._room = DecodeRoom(len(decode), block_size, self.routing.max_reserve_waiters)
+        self.routes = RouteTable(len(prefill), len(decode), block_size, routing.max_reserve_waiters)
+        self.streams = DecodeStreams(self.pools, self.routes, self.router_id, routing.kv_lease_s)
+        self.renewer = LeaseRenewer(self.pools, self.routes, routing, self.router_id)
+        self.admin = ClusterAdmin(self.pools, routing, model_info, self.routes)
         self.pools.on_status.append(self._on_status)
-        self._readers: list[asyncio.Task] = []
-        self._renewer: asyncio.Task | None = None
-        self._periodic: asyncio.Task | None = None
         self._kv_rebuild: asyncio.Task | None = None
         self.num_kv_fallbacks = 0  # requests resumed through the object store after a p2p error
         self.num_kv_rebuilds = 0
         self.num_kv_discards = 0  # p2p KV of abandoned prefills taken off on the decode rank
         self._background: set[asyncio.Task] = set()  # cleanups no request waits for
         self._started = False
+
+    # ---- lifecycle: every part starts and stops here ----
+
+    async def start(self) -> None:
+        """Open the delta streams, the health watch, the lease renewal and the periodic
+        rebalance (on the server's event loop)."""
+        await self.streams.open()
+        await self.pools.start()
+        self.renewer.start()
+        self.admin.start()
+        self._started = True
+
+    async def close(self) -> None:
+        self.streams.close()
+        self.renewer.close()
+        self.admin.close()
+        if self._kv_rebuild is not None:
+            self._kv_rebuild.cancel()
+        await self.pools.close()
+        self._started = False
+
+    def ready(self) -> bool:
+        return self._started and self.pools.ready() and self.streams.alive()
+
+    # ---- operators' calls: the admin's ----
+
+    async def status(self) -> ClusterStatus:
+        return await self.admin.status()
+
+    async def rebalance(
+        self, pool: str | None = None, timeout_s: float = 300.0
+    ) -> list[tuple[str, RebalanceStatus]]:
+        return await self.admin.rebalance(pool, timeout_s)
+
+    async def expert_load(self) -> list[PoolLoad]:
+        return await self.admin.expert_load()
+
+    def pool_ready(self, pool: str) -> float:
+        return self.admin.pool_ready(pool)
+
+    def sd_targets(self) -> list[dict[str, Any]]:
+        return self.admin.sd_targets()
+
+    # ---- pools failing and coming back (Pools calls these) ----
+
+    def _on_pool_failed(self, pool: str, generation: int) -> None:
+        self.routes.fail_pool(pool, generation)
+
+    async def _on_pool_reformed(self, pool: str) -> None:
+        if self.metrics is not None:
+            self.metrics.child("epcluster_pool_reforms_total", pool).inc()
+            recovery = self.pools[pool].recovery_s
+            if recovery:
+                self.metrics.child("epcluster_pool_recovery_seconds", pool).observe(recovery[-1])
+        self.routes.reset_load(len(self.pools["prefill"].ranks), len(self.pools["decode"].ranks))
+        if pool == "decode":
+            await self.streams.open()
+
+    def _rebuild_kv_group(self) -> None:
+        """One rebuild of the p2p KV group at a time (in the background)."""
+        control = self.pools.control
+        if control is None or (self._kv_rebuild is not None and not self._kv_rebuild.done()):
+            return
+
+        async def rebuild() -> None:
+            try:
+                await control.rebuild_kv()
+                self.num_kv_rebuilds += 1
+                if self.metrics is not None:
+                    self.metrics.child("epcluster_kv_group_rebuilds_total").inc()
+            except Exception:
+                log.exception("rebuilding the KV transport group failed")
+
+        self._kv_rebuild = asyncio.create_task(rebuild())
+
+    # ---- limits ----
 
     def model_info(self) -> ModelInfo:
         return dataclasses.replace(self._model_info, max_model_len=self._max_model_len())
@@ -123,7 +196,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
     # ---- requests ----
 
     async def abort(self, request_id: str) -> None:
-        route = self._by_client.get(request_id)
+        route = self.routes.by_client.get(request_id)
         if route is not None:
             route.queue.put_nowait(None)  # generate() sees it, aborts on the ranks, ends "abort"
 
@@ -131,9 +204,9 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         """Attempts until one ends: a rank failure resumes the request on the re-formed pool
         from what the client has (up to max_resumes times)."""
         cid = request.request_id
-        if cid in self._by_client:
+        if cid in self.routes.by_client:
             raise ValueError(f"request id {cid!r} is already in flight")
-        route = self._by_client[cid] = Route(request, request)
+        route = self.routes.by_client[cid] = Route(request, request)
         try:
             while True:
                 self._begin_attempt(route)
@@ -147,7 +220,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
                         yield delta
                     return
                 except RankFailed as e:
-                    mark_suspects(self._routes, e.suspects)
+                    self.routes.mark_suspects(e.suspects)
                     gen = route.prefill_gen if e.pool == "prefill" else route.decode_gen
                     self.pools.fail(e.pool, e.rank, e.why, generation=gen if gen >= 0 else None)
                     await asyncio.shield(self._release(route))
@@ -186,12 +259,12 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
                         self.metrics.child("epcluster_request_resumes_total", pool).inc()
                     log.info("resuming %s after %s (%d tokens sent)", cid, e, len(route.token_ids))
         finally:
-            del self._by_client[cid]
-            self._routes.pop(route.wire.request_id, None)
+            del self.routes.by_client[cid]
+            self.routes.by_wire.pop(route.wire.request_id, None)
             await asyncio.shield(self._release(route))
 
     def _begin_attempt(self, route: Route) -> None:
-        self._routes.pop(route.wire.request_id, None)
+        self.routes.by_wire.pop(route.wire.request_id, None)
         resume = Resume(list(route.token_ids), route.text) if route.token_ids else None
         wire_id = f"{self.router_id}-{next(self._seq)}"
         route.wire = dataclasses.replace(
@@ -200,7 +273,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         route.queue = asyncio.Queue()
         route.first = route.kv = None
         route.done = route.started = False
-        self._routes[wire_id] = route
+        self.routes.by_wire[wire_id] = route
 
     async def _attempt(self, route: Route) -> AsyncIterator[RequestOutput]:
         request = route.request
@@ -273,8 +346,10 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         route.prefill_gen = prefill.generation
         known = len(wire.known_token_ids)
         key = prefix_key(wire.prompt_token_ids, self.block_size, self.routing.affinity_blocks)
-        route.prefill = prefill_choice(key, self._prefill_load, self.routing.prefill_max_imbalance)
-        self._prefill_load[route.prefill] += known
+        route.prefill = prefill_choice(
+            key, self.routes.prefill_load, self.routing.prefill_max_imbalance
+        )
+        self.routes.prefill_load[route.prefill] += known
         p2p = self.routing.kv_p2p and not route.kv_fallback
         kv_dst = self.pools["decode"].ranks[route.decode].kv_rank
         task = asyncio.ensure_future(prefill.ranks[route.prefill].prefill(wire, kv_dst))
@@ -286,7 +361,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
             raise
         finally:
             if prefill.generation == route.prefill_gen:
-                self._prefill_load[route.prefill] -= known
+                self.routes.prefill_load[route.prefill] -= known
         if result is _ABORTED:
             if p2p:
                 self._settle_prefill(route, task)
@@ -356,7 +431,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException):
                 log.warning("cleanup of %s failed: %r", rid, result)
-        self._room.forget(rid)  # its decode blocks are free (if it held any)
+        self.routes.room.forget(rid)  # its decode blocks are free (if it held any)
 
     async def _reserve(self, route: Route) -> int | None:
         """Reserve the known tokens' blocks on the best decode rank with room; -> the decode
@@ -368,7 +443,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         Past reserve_wait_s while a pool re-forms it waits for the pool as a new request does
         (Unavailable after recovery_wait_s), then for room again."""
         needed = -(-(len(route.wire.known_token_ids) + 1) // self.block_size)
-        room, wait_s = self._room, self.routing.reserve_wait_s
+        room, wait_s = self.routes.room, self.routing.reserve_wait_s
         give_up = time.monotonic() + wait_s
         turn: Turn | None = None
         try:
@@ -401,7 +476,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
     async def _try_reserve(self, route: Route, needed: int) -> int | None:
         """Ask the decode ranks the view says have room, best first; -> the one that granted
         the reservation, or None."""
-        wire, decode, room = route.wire, self.pools["decode"], self._room
+        wire, decode, room = route.wire, self.pools["decode"], self.routes.room
         live = self._decode_statuses()
         for i in decode_preference(live, room.taken(), needed):
             # NOTE: counted before the await: requests that arrive together must see each
@@ -432,21 +507,16 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         """Each decode rank's last status (one not ready where there is none)."""
         n = len(self.pools["decode"].ranks)
         statuses = [self.pools.status.get(("decode", i)) for i in range(n)]
-        return [s or RankStatus("decode", i, False, 0, 0, 0, 0) for i, s in enumerate(statuses)]
+        return [s or RankStatus.down("decode", i) for i, s in enumerate(statuses)]
 
     def _most_free(self) -> int:
-        taken = self._room.taken()
+        taken = self.routes.room.taken()
         free = [s.kv_free_blocks - t for s, t in zip(self._decode_statuses(), taken, strict=False)]
         return max(free, default=0)
 
-    @property
-    def _decode_pending(self) -> list[int]:
-        """Blocks this router reserved on each decode rank that its status does not show yet."""
-        return self._room.pending()
-
     def _on_status(self, pool: str, rank: int) -> None:
         if pool == "decode":
-            self._room.refreshed(rank, self.pools.status.get(("decode", rank)))
+            self.routes.room.refreshed(rank, self.pools.status.get(("decode", rank)))
 
     def _forget_reserve(self, route: Route) -> None:
         """A reserve call may have been in flight when the attempt ended (a cancel, no answer):

@@ -26,9 +26,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from engine.messages import RankStatus
+from router.ranks import DecodeRank, PrefillRank
+
+Ranks = list[PrefillRank] | list[DecodeRank]  # one pool's rank handles
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class RankCallFailed(RuntimeError):
 
 
 class PoolControl(Protocol):
-    async def reform(self, pool: str, placement: dict | None) -> list[Any]:
+    async def reform(self, pool: str, placement: dict | None) -> Ranks:
         """Replace every rank of `pool` (new processes, a new process group, the experts of
         `placement` (Placement.to_dict: the pool's last known) loaded); -> the new rank
         handles, ready."""
@@ -79,7 +82,7 @@ class HealthConfig:
 @dataclass(slots=True)
 class Pool:
     name: str
-    ranks: list[Any]  # rank handles
+    ranks: Ranks
     generation: int = 0  # bumped on every failure: requests placed before it are resumed
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     reforming: asyncio.Task | None = None
@@ -100,8 +103,8 @@ class Pools:
 
     def __init__(
         self,
-        prefill: list[Any],
-        decode: list[Any],
+        prefill: list[PrefillRank],
+        decode: list[DecodeRank],
         control: PoolControl | None,
         health: HealthConfig,
         on_failed: Callable[[str, int], None],

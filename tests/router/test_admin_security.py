@@ -22,8 +22,11 @@ from router.cluster_admin import ClusterAdmin
 from router.pools import RankCallFailed, RankFailed
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
+from router.route_table import RouteTable
+from router.routing import RoutingConfig
 from router.server import serve
 from tests.router.conftest import wait_idle
+from tests.router.test_cluster_backend import INFO
 from tests.router.test_security import ADMIN_TOKEN, TOKEN, start, tokens, write_pki
 
 
@@ -210,9 +213,8 @@ class _Pool:
 
 def _admin(fail: Exception):
     """A ClusterAdmin whose decode rank 1 fails every call with `fail`."""
-    admin = ClusterAdmin()
-    admin.pools = {"prefill": _Pool([_Rank(fail)]), "decode": _Pool([_Rank(fail), _Rank(fail)])}
-    return admin
+    pools = {"prefill": _Pool([_Rank(fail)]), "decode": _Pool([_Rank(fail), _Rank(fail)])}
+    return ClusterAdmin(pools, RoutingConfig(), INFO, RouteTable(1, 2, 4, 8))
 
 
 @pytest.mark.parametrize("error", [RankFailed, RankCallFailed])

@@ -12,10 +12,10 @@ import pytest
 from engine.messages import RankStatus
 from engine.tokenizer import Tokenizer
 from router.backend import Overloaded, Unavailable
-from router.cluster_backend import ClusterBackend, RoutingConfig
+from router.cluster_backend import ClusterBackend
 from router.decode_room import DecodeRoom
 from router.pools import HealthConfig
-from router.routing import decode_preference
+from router.routing import RoutingConfig, decode_preference
 from tests.router.test_cluster_backend import (
     BLOCK,
     INFO,
@@ -112,7 +112,7 @@ async def queue_waiters(backend: ClusterBackend, num: int, max_tokens: int = 3) 
     waiters = []
     for i in range(num):
         waiters.append(consume(backend, f"w{i}", max_tokens))
-        await wait_for(lambda n=i + 1: backend._room.num_waiting == n)
+        await wait_for(lambda n=i + 1: backend.routes.room.num_waiting == n)
     return waiters
 
 
@@ -140,7 +140,11 @@ def test_waiters_make_no_status_calls_and_are_served_in_order_as_blocks_free():
         assert all(tokens(out) == [100, 101, 102] for out in outs)
         assert [_seq(w) for w in decode.granted] == list(range(10))  # in arrival order
         assert len(decode.status_callers) == calls_at_start and polls == []
-        assert not decode.blocks and not backend._room._held and backend._room.num_waiting == 0
+        assert (
+            not decode.blocks
+            and not backend.routes.room._held
+            and backend.routes.room.num_waiting == 0
+        )
         await backend.close()
 
     run(main())
@@ -177,7 +181,7 @@ def test_the_waiter_cap_refuses_at_once():
         holders, waiters = await fill_and_queue(backend, prefill, decode, 3)
         with pytest.raises(Overloaded, match=r"too many requests wait for decode KV room \(3 of 3"):
             await anext(backend.generate(request("one-too-many")))
-        assert backend._room.num_waiting == 3 and not any(w.done() for w in waiters)
+        assert backend.routes.room.num_waiting == 3 and not any(w.done() for w in waiters)
         prefill.gate.set()
         outs = await asyncio.gather(*holders, *waiters)
         assert all(tokens(out) == [100, 101, 102] for out in outs)
@@ -217,7 +221,7 @@ def test_waiters_during_a_reform_that_does_not_end_get_unavailable():
         results = await asyncio.gather(*waiters, return_exceptions=True)
         assert [type(r) for r in results] == [Unavailable] * 3
         assert all("re-forming" in str(r) for r in results)
-        assert backend._room.num_waiting == 0
+        assert backend.routes.room.num_waiting == 0
         await backend.close()
 
     run(main())
@@ -228,12 +232,12 @@ def test_a_cancelled_waiter_leaves_the_queue_and_holds_nothing():
         backend, prefill, decode = await full_backend()
         holders, waiters = await fill_and_queue(backend, prefill, decode, 3)
         waiters[0].cancel()  # the head goes: the next one becomes the head
-        await wait_for(lambda: backend._room.num_waiting == 2)
+        await wait_for(lambda: backend.routes.room.num_waiting == 2)
         prefill.gate.set()
         outs = await asyncio.gather(*holders, *waiters[1:])
         assert all(tokens(out) == [100, 101, 102] for out in outs)
         assert len(decode.granted) == 4  # 2 holders, the 2 waiters left: none for w0
-        assert not decode.blocks and not decode.reserved and not backend._room._held
+        assert not decode.blocks and not decode.reserved and not backend.routes.room._held
         await backend.close()
 
     run(main())
@@ -247,7 +251,9 @@ def test_a_request_cancelled_while_its_reserve_is_in_flight_holds_nothing():
         backend, prefill, decode = await full_backend()
         decode.gate = asyncio.Event()
         task = consume(backend, "gone")
-        await wait_for(lambda: backend._room.pending() == [NEEDED])  # its reserve is in flight
+        await wait_for(
+            lambda: backend.routes.room.pending() == [NEEDED]
+        )  # its reserve is in flight
         task.cancel()
         await asyncio.sleep(0)
         decode.gate.set()  # the rank grants it now
@@ -255,7 +261,7 @@ def test_a_request_cancelled_while_its_reserve_is_in_flight_holds_nothing():
             await task
         await wait_for(lambda: decode.granted and not decode.blocks)
         assert set(decode.aborted) == set(decode.granted) and not decode.reserved
-        assert backend._room.pending() == [0] and not backend._room._held
+        assert backend.routes.room.pending() == [0] and not backend.routes.room._held
         await backend.close()
 
     run(main())
@@ -301,13 +307,13 @@ def test_a_waiter_refused_then_cancelled_sends_no_abort():
         backend, prefill, decode = await full_backend()  # no poller: the view says 2 free
         decode.blocks["another-router"] = 2 * NEEDED
         (waiter,) = await queue_waiters(backend, 1)
-        assert decode.granted == [] and backend._room.taken() == [2 * NEEDED - 1]  # refused
+        assert decode.granted == [] and backend.routes.room.taken() == [2 * NEEDED - 1]  # refused
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
         for _ in range(20):  # background calls, had any been made, would have run
             await asyncio.sleep(0)
-        assert decode.aborted == [] and backend._room.num_waiting == 0
+        assert decode.aborted == [] and backend.routes.room.num_waiting == 0
         await backend.close()
 
     run(main())

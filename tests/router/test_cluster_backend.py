@@ -17,8 +17,9 @@ from engine.messages import GenerateRequest, ModelInfo, RankStatus, RequestOutpu
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.backend import Overloaded, Unavailable
-from router.cluster_backend import ClusterBackend, RoutingConfig
+from router.cluster_backend import ClusterBackend
 from router.pools import HealthConfig, RankFailed
+from router.routing import RoutingConfig
 
 BLOCK = 4
 INFO = ModelInfo("fake", "deepseek_v3", 512, 2048, 3, 16, 4, 1, 480)
@@ -230,7 +231,7 @@ def test_success_streams_first_then_decode_and_holds_nothing():
             (sent.request_id, ("kv", sent.request_id))
         ]
         assert (prefill.aborted, decode.aborted, decode.discarded) == ([], [], [])
-        assert not decode.reserved and not decode.running and not backend._routes
+        assert not decode.reserved and not decode.running and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -267,7 +268,7 @@ def test_abort_or_deadline_during_the_prefill_ends_it_on_both_ranks(how):
         wire = prefill.calls[0].request_id
         assert [d.finish_reason for d in out] == ["abort"] and tokens(out) == []
         assert prefill.aborted == [wire] and decode.aborted == [wire]
-        assert decode.started == [] and not decode.reserved and not backend._routes
+        assert decode.started == [] and not decode.reserved and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -291,7 +292,7 @@ def test_abort_deadline_or_close_during_the_decode_ends_it_on_both_ranks(how):
             assert [d.finish_reason for d in rest] == ["abort"]
         wire = prefill.calls[0].request_id
         assert prefill.aborted == [wire] and decode.aborted == [wire]
-        assert not decode.running and not decode.reserved and not backend._routes
+        assert not decode.running and not decode.reserved and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -308,7 +309,7 @@ def test_a_failed_kv_start_resumes_the_request_and_no_pool_reforms():
         assert prefill.calls[1].resume.token_ids == [100]  # the first token was sent already
         assert prefill.aborted == [lost] and decode.aborted == [lost]
         assert control.calls == [] and backend.pools["decode"].num_reforms == 0
-        assert decode.discarded == [] and not decode.reserved and not backend._routes
+        assert decode.discarded == [] and not decode.reserved and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -321,7 +322,7 @@ def test_a_kv_start_that_keeps_failing_ends_unavailable_after_max_resumes():
         with pytest.raises(Unavailable, match="resumed 1 times .* the link to the prefill"):
             [d async for d in backend.generate(request("f2"))]
         assert len(prefill.calls) == 2 and backend.pools["decode"].num_reforms == 0
-        assert not decode.reserved and not backend._routes
+        assert not decode.reserved and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -336,7 +337,7 @@ def test_a_stream_closed_after_the_first_token_still_hands_the_kv_over_and_abort
         wire = prefill.calls[0].request_id
         assert [(r.request_id, kv) for r, kv in decode.started] == [(wire, ("kv", wire))]
         assert decode.discarded == [] and decode.aborted == [wire] and prefill.aborted == [wire]
-        assert not decode.reserved and not decode.running and not backend._routes
+        assert not decode.reserved and not decode.running and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -358,7 +359,7 @@ def test_a_decode_rank_that_dies_mid_stream_costs_a_pause_not_a_token():
         assert resumed.request_id != prefill.calls[0].request_id
         assert backend.pools["decode"].num_reforms == 1 and backend.ready()
         new = control.new["decode"]
-        assert not new.reserved and not new.running and not backend._routes
+        assert not new.reserved and not new.running and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -379,7 +380,7 @@ def test_a_prefill_rank_that_dies_while_prompts_wait_on_it_resumes_them():
         results = await asyncio.gather(*tasks)
         assert all(tokens(out) == [100, 101, 102] for out in results)
         assert control.calls == ["prefill"] and len(control.new["prefill"].calls) == 3
-        assert not decode.reserved and not decode.running and not backend._routes
+        assert not decode.reserved and not decode.running and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -409,7 +410,7 @@ def test_no_decode_room_is_overloaded_not_an_error():
         decode.reserved.add("someone-else")  # the fake holds one reservation per 2 blocks
         with pytest.raises(Overloaded, match="no decode rank has room .* retry later"):
             await anext(backend.generate(request("full")))
-        assert not backend._routes and prefill.calls == []
+        assert not backend.routes.by_wire and prefill.calls == []
         await backend.close()
 
     run(main())
@@ -483,7 +484,7 @@ def test_blocks_reserved_since_the_last_status_count_until_a_fresh_one():
         for i in range(12):  # 12 x 2 blocks, one after the other, on a rank of 10 blocks
             out = [d async for d in backend.generate(request(f"s{i}", max_tokens=1))]
             assert out[-1].finish_reason == "length"
-        assert backend._decode_pending[0] <= 10
+        assert backend.routes.decode_pending[0] <= 10
         await backend.close()
 
     run(main())
@@ -543,12 +544,12 @@ def test_a_burst_spreads_over_the_decode_ranks(refuse):
         await wait_for(lambda: sum(d.asked for d in decode) == 8)
         assert [d.asked for d in decode] == [4, 4]
         needed = -(-(5 + 1) // BLOCK)  # 5 prompt tokens and the first output token
-        assert backend._decode_pending == [4 * needed, 4 * needed]
+        assert backend.routes.decode_pending == [4 * needed, 4 * needed]
         gate.set()
         await wait_for(lambda: all(t.done() for t in tasks))
         if refuse:  # rank 0 refused its 4: their counts went back, they went to rank 1
             await wait_for(lambda: len(decode[1].reserved) + len(decode[1].running) >= 4)
-            assert backend._decode_pending[0] == 0
+            assert backend.routes.decode_pending[0] == 0
         for s in streams:
             await s.aclose()
         await backend.close()

@@ -12,8 +12,9 @@ import time
 from cluster.handles import DecodeHandle
 from engine.handoff import LeaseLapsed
 from engine.tokenizer import Tokenizer
-from router.cluster_backend import ClusterBackend, RoutingConfig
+from router.cluster_backend import ClusterBackend
 from router.pools import HealthConfig, RankFailed
+from router.routing import RoutingConfig
 from tests.router.test_cluster_backend import (
     BLOCK,
     INFO,
@@ -161,7 +162,7 @@ def test_a_cancel_during_the_reserve_call_releases_what_the_rank_grants():
         await asyncio.gather(task, return_exceptions=True)
         wire = f"{backend.router_id}-0"
         await wait_for(lambda: wire in decode.aborted)
-        assert not decode.reserved and not backend._routes
+        assert not decode.reserved and not backend.routes.by_wire
         await backend.close()
 
     run(main())
@@ -202,7 +203,7 @@ def test_object_store_an_abandoned_prefill_is_cancelled_and_nothing_is_discarded
 def test_a_prefill_failure_notice_that_lands_with_the_prefills_result_is_moot():
     async def main():
         backend, _, _ = await started_backend()
-        route = backend._by_client["x"] = _route(backend)
+        route = backend.routes.by_client["x"] = _route(backend)
         route.queue.put_nowait(RankFailed("prefill", 1, "its pool is re-forming"))
         done = asyncio.get_running_loop().create_future()
         done.set_result("first")
@@ -213,14 +214,14 @@ def test_a_prefill_failure_notice_that_lands_with_the_prefills_result_is_moot():
         done.set_result("first")
         assert await backend._within(route, done) == "first"
         assert isinstance(route.queue.get_nowait(), RankFailed)  # kept: the decode must resume
-        del backend._by_client["x"]
+        del backend.routes.by_client["x"]
         await backend.close()
 
     run(main())
 
 
 def _route(backend: ClusterBackend):
-    from router.cluster_types import Route
+    from router.route_table import Route
 
     req = request("x")
     return Route(req, req)

@@ -103,7 +103,7 @@ def test_a_request_that_stops_a_rank_twice_is_not_resumed_a_third_time():
         # two deaths, two re-forms: not max_resumes + 1 = 4
         await wait_for(lambda: backend.pools.ready())
         assert control.calls == ["prefill", "prefill"]
-        await wait_for(lambda: not decode.reserved and not backend._routes)
+        await wait_for(lambda: not decode.reserved and not backend.routes.by_wire)
         await backend.close()
 
     run(main())
@@ -160,7 +160,7 @@ def test_a_request_failed_alone_on_its_decode_rank_ends_with_its_error_and_nothi
         backend, _, _ = await started_backend(control=control)
         decode = FailingDecode(0)
         backend.pools["decode"].ranks[0] = decode
-        await backend._open_streams()
+        await backend.streams.open()
         got = []
         try:
             async for d in backend.generate(request("p", POISON_PROMPT, 6)):
@@ -173,7 +173,9 @@ def test_a_request_failed_alone_on_its_decode_rank_ends_with_its_error_and_nothi
         assert got == [100, 101]  # the tokens before the failure reached the client
         assert tokens(await _collect(backend, request("ok", [5, 6, 7], 3))) == [100, 101, 102]
         assert control.calls == [] and backend.pools.ready()
-        await wait_for(lambda: not decode.reserved and not decode.running and not backend._routes)
+        await wait_for(
+            lambda: not decode.reserved and not decode.running and not backend.routes.by_wire
+        )
         await backend.close()
 
     run(main())
@@ -193,13 +195,15 @@ def test_a_decode_rank_stopped_by_a_request_names_it_on_its_stream():
         for _ in range(2):
             await wait_for(
                 lambda: (
-                    {r.request.request_id for r in backend._routes.values() if r.started}
+                    {r.request.request_id for r in backend.routes.by_wire.values() if r.started}
                     == {"p", "o"}
                 )
             )
             dying = backend.pools["decode"].ranks[0]
             wire = next(
-                r.wire.request_id for r in backend._routes.values() if r.request.request_id == "p"
+                r.wire.request_id
+                for r in backend.routes.by_wire.values()
+                if r.request.request_id == "p"
             )
             dying.dead = True
             dying._out.put_nowait(RankFailed("decode", 0, "the engine stopped", (wire,)))
