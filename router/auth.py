@@ -1,13 +1,13 @@
 """Security for the router's ports: TLS (a server certificate, and mutual TLS when a client CA is
 given) and bearer tokens (`authorization: Bearer <token>`, the scheme case-insensitive, the token
 compared in constant time), on the server and in the clients. One ServerSecurity serves the gRPC
-port, the OpenAI HTTP port (router/http_auth.py) and the router's metrics port. All off by
+port, the OpenAI HTTP port (router/api/http_auth.py) and the router's metrics port. All off by
 default; the default router listens on loopback only, and the cluster config refuses another host
 without a token or mutual TLS (allow_insecure_bind).
 
 Two tokens: the client token lets a caller generate and read status; the admin token (which is
 also a client token) is needed for the calls that change the cluster for everyone (ADMIN_METHODS:
-Rebalance; and vLLM Abort of a request another caller started, router/vllm_grpc.py). When a
+Rebalance; and vLLM Abort of a request another caller started, router/api/vllm_grpc.py). When a
 client token is set and no admin token, admin calls are refused. A router with no token at all
 trusts every caller it accepts (loopback, or the holders of a certificate the client CA signed).
 

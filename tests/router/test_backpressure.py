@@ -1,8 +1,8 @@
-"""Back-pressure without polling: requests waiting for decode room wait on the router's view of
-the free blocks (router/decode_room.py), woken in FIFO order as blocks free, and never call the
+"""Back-pressure without polling: requests waiting for decode room wait on the router's view of the
+free blocks (router/backends/decode_room.py), woken in FIFO order as blocks free, and never call the
 ranks themselves. Fake decode ranks that count their blocks (a status that tells the truth) and
-every status call; a request's status calls are told apart from the poller's by a context
-variable that every task a request starts inherits."""
+every status call; a request's status calls are told apart from the poller's by a context variable
+that every task a request starts inherits."""
 
 import asyncio
 import contextvars
@@ -12,10 +12,10 @@ import pytest
 from engine.messages import RankStatus
 from engine.tokenizer import Tokenizer
 from router.backend import Overloaded, Unavailable
-from router.cluster_backend import ClusterBackend
-from router.decode_room import DecodeRoom
-from router.pools import HealthConfig
-from router.routing import RoutingConfig, decode_preference
+from router.backends.cluster import ClusterBackend
+from router.backends.decode_room import DecodeRoom
+from router.backends.pools import HealthConfig
+from router.backends.routing import RoutingConfig, decode_preference
 from tests.router.test_cluster_backend import (
     BLOCK,
     INFO,

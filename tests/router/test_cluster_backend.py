@@ -17,9 +17,9 @@ from engine.messages import GenerateRequest, ModelInfo, RankStatus, RequestOutpu
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.backend import Overloaded, Unavailable
-from router.cluster_backend import ClusterBackend
-from router.pools import HealthConfig, RankFailed
-from router.routing import RoutingConfig
+from router.backends.cluster import ClusterBackend
+from router.backends.pools import HealthConfig, RankFailed
+from router.backends.routing import RoutingConfig
 
 BLOCK = 4
 INFO = ModelInfo("fake", "deepseek_v3", 512, 2048, 3, 16, 4, 1, 480)

@@ -12,9 +12,9 @@ import time
 from cluster.handles import DecodeHandle
 from engine.handoff import LeaseLapsed
 from engine.tokenizer import Tokenizer
-from router.cluster_backend import ClusterBackend
-from router.pools import HealthConfig, RankFailed
-from router.routing import RoutingConfig
+from router.backends.cluster import ClusterBackend
+from router.backends.pools import HealthConfig, RankFailed
+from router.backends.routing import RoutingConfig
 from tests.router.test_cluster_backend import (
     BLOCK,
     INFO,
@@ -221,7 +221,7 @@ def test_a_prefill_failure_notice_that_lands_with_the_prefills_result_is_moot():
 
 
 def _route(backend: ClusterBackend):
-    from router.route_table import Route
+    from router.backends.route_table import Route
 
     req = request("x")
     return Route(req, req)

@@ -15,7 +15,7 @@ from engine.messages import (
 from engine.model_info import PromptLimits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from router import convert
+from router.api import convert
 from router.proto import epcluster_pb2 as pb
 
 INFO = ModelInfo("m", "deepseek_v3", 300, 16, 3, 16, 4, 1, 480)

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.sampling_params import MAX_TEMPERATURE
-from router.openai_http import MAX_BODY_BYTES
-from router.openai_requests import MAX_MESSAGES, MAX_PROMPTS
+from router.api.openai_http import MAX_BODY_BYTES
+from router.api.openai_requests import MAX_MESSAGES, MAX_PROMPTS
 from router.server import serve
 from tests.router.conftest import record_fuzz_cases, wait_idle
 

@@ -1,4 +1,4 @@
-"""Property-based fuzz of vLLM's engine gRPC protocol on the router (router/vllm_grpc.py): 1,000
+"""Property-based fuzz of vLLM's engine gRPC protocol on the router (router/api/vllm_grpc.py): 1,000
 generated Generate requests (hypothesis, derandomized), streamed and not, valid and not: every
 numeric field over its whole wire range (uint32 top_k and max_tokens past int32, NaN and inf
 float32s, negative int32 seeds), any Unicode text, huge strings and token-id lists, fields
@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
 from engine.sampling_params import MAX_TEMPERATURE
 from moe import resolve_model_path
-from router.server import serve
+from router.server import RouterServer
 from tests.router.conftest import record_fuzz_cases, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -161,7 +161,7 @@ def valid(f: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def server(backend):
-    server = serve(backend, port=0, model_name=MODEL, checkpoint=resolve_model_path(MODEL))
+    server = RouterServer(backend, port=0).serve_vllm(MODEL, resolve_model_path(MODEL)).start()
     assert server.wait_ready(10)
     yield server
     server.stop()

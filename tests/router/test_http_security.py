@@ -1,10 +1,10 @@
-"""The OpenAI HTTP port under the gRPC port's security (router/http_auth.py), with certificates from
-a throwaway CA (trustme), seen through raw requests (http.client over ssl sockets, and the curl
+"""The OpenAI HTTP port under the gRPC port's security (router/api/http_auth.py), with certificates
+from a throwaway CA (trustme), seen through raw requests (http.client over ssl sockets, and the curl
 binary), and through the openai SDK: a missing or wrong token is 401 on every route but /health
-(/metrics and /openapi.json included; the docs pages are off); the scheme's case is free; the
-admin token is a client token too; plaintext to a TLS port and a client that trusts another CA
-get no response; under mutual TLS, no certificate or one from another CA is refused in the
-handshake. The router's metrics port (engine/metrics_server.py) with TLS and a token the same."""
+(/metrics and /openapi.json included; the docs pages are off); the scheme's case is free; the admin
+token is a client token too; plaintext to a TLS port and a client that trusts another CA get no
+response; under mutual TLS, no certificate or one from another CA is refused in the handshake. The
+router's metrics port (engine/metrics_server.py) with TLS and a token the same."""
 
 import http.client
 import json
@@ -232,7 +232,7 @@ def test_the_metrics_port_with_tls_and_a_token(pki):
 
 def test_an_idle_tls_client_does_not_hold_the_stop(backend, pki, want, caplog):
     """A client's idle keep-alive TLS connection never answers the server's close_notify: the
-    stop drops it (router/http_auth.py Server) instead of waiting out asyncio's TLS shutdown
+    stop drops it (router/api/http_auth.py Server) instead of waiting out asyncio's TLS shutdown
     and being cancelled by RouterServer.stop."""
     security = ServerSecurity.from_files(cert_file=pki["server_cert"], key_file=pki["server_key"])
     server = start(backend, security)

@@ -8,7 +8,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.messages import GenerateRequest
-from router.local_backend import LocalBackend
+from router.backends.local import LocalBackend
 from tests.router.conftest import engine_load, make_engine, on_engine, wait_idle
 
 LONG = SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0.0)

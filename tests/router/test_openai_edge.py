@@ -1,4 +1,5 @@
-"""The OpenAI HTTP front end's input edge (router/openai_requests.py, router/openai_http.py):
+"""The OpenAI HTTP front end's input edge (router/api/openai_requests.py,
+router/api/openai_http.py):
 the poison bodies of issue 24 (a top_k of 2**63 once re-formed a pool; a 100,000-deep array was a
 bare 500) each end in a 4xx naming the field while the server keeps serving and no block is held;
 bodies over the cap are 413 whether or not they say their length; any chat template error is a
@@ -14,8 +15,8 @@ import time
 
 import pytest
 
-from router.openai_http import MAX_BODY_BYTES
-from router.openai_requests import MAX_MESSAGES, MAX_PROMPTS, HttpError, RequestParser
+from router.api.openai_http import MAX_BODY_BYTES
+from router.api.openai_requests import MAX_MESSAGES, MAX_PROMPTS, HttpError, RequestParser
 from router.server import serve
 from tests.router.conftest import wait_idle
 

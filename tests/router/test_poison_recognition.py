@@ -8,8 +8,8 @@ import asyncio
 
 from engine.messages import GenerateRequest, RequestFailed, RequestOutput
 from engine.sampling_params import SamplingParams
+from router.backends.pools import RankFailed
 from router.frontend import INTERNAL, INVALID, _refused_by
-from router.pools import RankFailed
 from tests.router.test_cluster_backend import (
     FakeControl,
     FakeDecode,

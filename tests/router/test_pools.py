@@ -7,7 +7,7 @@ retried, the new ranks failing while checked start it over)."""
 import asyncio
 
 from engine.messages import RankStatus
-from router.pools import HealthConfig, Pools, RankCallFailed, RankFailed
+from router.backends.pools import HealthConfig, Pools, RankCallFailed, RankFailed
 
 HEALTH = HealthConfig(
     status_interval_s=0.01, status_timeout_s=0.05, max_misses=3, reform_retry_s=0.01

@@ -1,7 +1,7 @@
 """Routing policies: hand-computed cases and properties."""
 
 from engine.messages import RankStatus
-from router.routing import decode_preference, prefill_choice, prefix_key
+from router.backends.routing import decode_preference, prefill_choice, prefix_key
 
 
 def rank(i, used, total=100, running=0, ready=True):

@@ -1,6 +1,6 @@
 """The real `smg` gateway (PyPI `smg`, the Shepherd Model Gateway) in front of epcluster's router:
 smg runs with its vLLM backend and the router as its gRPC worker (vllm.grpc.engine.VllmEngine,
-router/vllm_grpc.py), and serves OpenAI chat requests end to end; the text equals what
+router/api/vllm_grpc.py), and serves OpenAI chat requests end to end; the text equals what
 epcluster.v1 returns for the prompt smg's chat template renders."""
 
 import json
@@ -16,9 +16,9 @@ import pytest
 
 from engine import SamplingParams
 from moe import resolve_model_path
+from router.api.openai_http import DEFAULT_CHAT_TEMPLATE
 from router.client import InferenceClient
-from router.openai_http import DEFAULT_CHAT_TEMPLATE
-from router.server import serve
+from router.server import RouterServer
 from tests.procs import free_port
 from tests.router.conftest import wait_idle
 
@@ -32,7 +32,7 @@ MODEL = "tiny-random"
 
 @pytest.fixture(scope="module")
 def router(backend):
-    server = serve(backend, port=0, model_name=MODEL, checkpoint=resolve_model_path(MODEL))
+    server = RouterServer(backend, port=0).serve_vllm(MODEL, resolve_model_path(MODEL)).start()
     assert server.wait_ready(10)
     yield server
     server.stop()

@@ -1,4 +1,4 @@
-"""vLLM's engine gRPC protocol on the router (router/vllm_grpc.py), through smg-grpc-proto's own
+"""vLLM's engine gRPC protocol on the router (router/api/vllm_grpc.py), through smg-grpc-proto's own
 stubs: Generate streamed and not gives epcluster.v1's tokens; the management RPCs answer; what
 epcluster cannot honour is refused (UNIMPLEMENTED), bad values are INVALID_ARGUMENT; health has
 the engine service's name; a cancelled stream frees its blocks."""
@@ -16,10 +16,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
 from engine import SamplingParams
 from moe import resolve_model_path
-from router import vllm_grpc
+from router.api import vllm_grpc
+from router.api.vllm_grpc import tokenizer_zip
 from router.client import InferenceClient
-from router.server import serve
-from router.vllm_grpc import tokenizer_zip
+from router.server import RouterServer
 from tests.router.conftest import wait_idle
 
 MODEL = "tiny-random"
@@ -27,7 +27,7 @@ MODEL = "tiny-random"
 
 @pytest.fixture(scope="module")
 def server(backend):
-    server = serve(backend, port=0, model_name=MODEL, checkpoint=resolve_model_path(MODEL))
+    server = RouterServer(backend, port=0).serve_vllm(MODEL, resolve_model_path(MODEL)).start()
     assert server.wait_ready(10)
     yield server
     server.stop()

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP front end's input edge (router/openai_http.py): a request body, as bytes, ->
+"""The OpenAI HTTP front end's input edge (router/api/openai_http.py): a request body, as bytes, ->
 validated GenerateRequests, or HttpError (400, 404, 413) naming what to fix.
 
 NOTE: everything here runs on a worker thread (OpenAIServer parses off the router's event loop):
@@ -23,7 +23,7 @@ import jinja2.sandbox
 from engine.messages import GenerateRequest
 from engine.model_info import check_prompt, check_stop_token_ids
 from engine.sampling_params import MAX_SEED, SamplingParams
-from router.convert import (
+from router.api.convert import (
     FLOAT_FIELDS,
     INT_BOUNDS,
     check_float,

@@ -1,6 +1,6 @@
 """The router's view of the decode ranks' free KV blocks, and the requests waiting for room.
 
-The view is each decode rank's last status (router/pools.py polls every rank once per
+The view is each decode rank's last status (router/backends/pools.py polls every rank once per
 status_interval_s) adjusted by what this router did since: a reservation it was granted counts
 against its rank, a request of its that ended (its last delta, or its release) gives its blocks
 back, a rank that refused a reservation the view thought would fit is taken to have less than

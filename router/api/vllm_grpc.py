@@ -28,8 +28,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from engine.messages import GenerateRequest, RequestOutput
 from engine.model_info import PromptLimits, check_prompt, check_stop_token_ids
 from engine.sampling_params import MAX_SEED, SamplingParams
-from router.abort_scope import AbortScope
-from router.convert import check_bounds, check_request_id, conversion_cost
+from router.api.abort_scope import AbortScope
+from router.api.convert import check_bounds, check_request_id, conversion_cost
 from router.frontend import Frontend, Refused, off_loop
 
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]

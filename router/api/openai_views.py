@@ -1,5 +1,5 @@
 """The JSON of OpenAI's completions and chat completions (whole, and as server-sent events) for
-router/openai_http.py, from the frontend's RequestOutputs; and its error envelope."""
+router/api/openai_http.py, from the frontend's RequestOutputs; and its error envelope."""
 
 import asyncio
 import contextlib

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.messages import GenerateRequest, RequestOutput
-from router.attempt_errors import AttemptLost
-from router.decode_room import DecodeRoom
-from router.pools import RankFailed
+from router.backends.attempt_errors import AttemptLost
+from router.backends.decode_room import DecodeRoom
+from router.backends.pools import RankFailed
 
 POISON_STRIKES = 2  # attempts found in a rank-killing step: the request is not resumed again
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.messages import RankStatus
-from router.ranks import DecodeRank, PrefillRank
+from router.backends.ranks import DecodeRank, PrefillRank
 
 Ranks = list[PrefillRank] | list[DecodeRank]  # one pool's rank handles
 

@@ -1,4 +1,4 @@
-"""Who may abort which request through vLLM's `Abort` (router/vllm_grpc.py): the caller that
+"""Who may abort which request through vLLM's `Abort` (router/api/vllm_grpc.py): the caller that
 started it, or a caller holding the admin token. Request ids are client-chosen and often
 guessable (a gateway forwards its own), so without this any client could end other users'
 streams by id.

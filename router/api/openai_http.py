@@ -20,11 +20,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from router import http_auth
+from router.api import http_auth
+from router.api.openai_requests import DEFAULT_CHAT_TEMPLATE, HttpError, RequestParser
+from router.api.openai_views import HTTP_STATUS, OpenAIView, error_body, gather_or_disconnect
 from router.auth import ServerSecurity
 from router.frontend import Frontend, Refused
-from router.openai_requests import DEFAULT_CHAT_TEMPLATE, HttpError, RequestParser
-from router.openai_views import HTTP_STATUS, OpenAIView, error_body, gather_or_disconnect
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "HttpError", "OpenAIServer", "start"]
 
@@ -170,7 +170,7 @@ async def start(
     app: FastAPI, host: str, port: int, security: ServerSecurity | None = None
 ) -> tuple[uvicorn.Server, asyncio.Task, int]:
     """Serve `app` on host:port (0: a free one) on the running loop, under `security` (TLS,
-    mutual TLS, the token: router/http_auth.py); -> the server, its task, the bound port."""
+    mutual TLS, the token: router/api/http_auth.py); -> the server, its task, the bound port."""
     security = security or ServerSecurity()
     server = http_auth.Server(  # NOTE: uvicorn.Server, stopping idle TLS connections at once
         uvicorn.Config(

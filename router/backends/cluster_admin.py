@@ -17,9 +17,9 @@ from engine.messages import (
     RebalanceStatus,
 )
 from router.backend import Unavailable
-from router.pools import Pools, RankCallFailed, RankFailed
-from router.route_table import RouteTable
-from router.routing import RoutingConfig
+from router.backends.pools import Pools, RankCallFailed, RankFailed
+from router.backends.route_table import RouteTable
+from router.backends.routing import RoutingConfig
 
 RANK_ERRORS = (RankFailed, RankCallFailed)  # a rank gone, or a call to it lost
 

@@ -6,9 +6,9 @@ import asyncio
 import logging
 
 from engine.handoff import LeaseLapsed
-from router.pools import Pools, RankFailed
-from router.ranks import DecodeRank
-from router.route_table import RouteTable
+from router.backends.pools import Pools, RankFailed
+from router.backends.ranks import DecodeRank
+from router.backends.route_table import RouteTable
 
 log = logging.getLogger(__name__)
 

@@ -6,16 +6,17 @@ stream the decode rank's deltas (one stream per decode rank, a list of deltas pe
 an attempt ends (finish, client cancel, deadline, failure), both ranks are told, so no block
 stays held.
 
-Faults: when a rank fails (router/pools.py), every request placed on its pool is resumed: a new
-attempt, on the re-formed pool, that carries what the client already received (Resume). The
+Faults: when a rank fails (router/backends/pools.py), every request placed on its pool is
+resumed: a new attempt, on the re-formed pool, that carries what the client already received
+(Resume). The
 prefill rank recomputes that KV, and sampling, a function of (seed, position), goes on with the
 same tokens: the client sees a pause. A reservation is a lease the router renews while the
 prefill runs, so a router that dies leaves nothing held for long.
 
 Requests reach the ranks under ids this router issues (router id + a counter + the attempt), so
 any number of routers can share the pools; the client's id stays on its own messages.
-The rank handles are Protocols (router/ranks.py: cluster/ wraps Ray actors in them); this module
-imports no Ray.
+The rank handles are Protocols (router/backends/ranks.py: cluster/ wraps Ray actors in them);
+this module imports no Ray.
 """
 
 import asyncio
@@ -40,17 +41,17 @@ from engine.messages import (
 )
 from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
-from router.attempt_errors import AttemptLost, KVTransferFailed, P2PTransferFailed
 from router.backend import Overloaded, Unavailable
-from router.cluster_admin import ClusterAdmin
-from router.decode_room import Turn
-from router.decode_streams import DecodeStreams
-from router.lease_renewer import LeaseRenewer
+from router.backends.attempt_errors import AttemptLost, KVTransferFailed, P2PTransferFailed
+from router.backends.cluster_admin import ClusterAdmin
+from router.backends.decode_room import Turn
+from router.backends.decode_streams import DecodeStreams
+from router.backends.lease_renewer import LeaseRenewer
+from router.backends.pools import HealthConfig, PoolControl, Pools, RankCallFailed, RankFailed
+from router.backends.ranks import DecodeRank, PrefillRank
+from router.backends.route_table import Route, RouteTable
+from router.backends.routing import RoutingConfig, decode_preference, prefill_choice, prefix_key
 from router.metrics import RouterMetrics
-from router.pools import HealthConfig, PoolControl, Pools, RankCallFailed, RankFailed
-from router.ranks import DecodeRank, PrefillRank
-from router.route_table import Route, RouteTable
-from router.routing import RoutingConfig, decode_preference, prefill_choice, prefix_key
 
 log = logging.getLogger(__name__)
 
@@ -439,7 +440,8 @@ class ClusterBackend:
 
         Without room it waits in the room's FIFO queue (Overloaded at once when the queue is
         full, and after reserve_wait_s): only the head tries again, when the router's view of
-        the free blocks changes (router/decode_room.py), so waiting costs the ranks no calls.
+        the free blocks changes (router/backends/decode_room.py), so waiting costs the ranks no
+        calls.
         Past reserve_wait_s while a pool re-forms it waits for the pool as a new request does
         (Unavailable after recovery_wait_s), then for room again."""
         needed = -(-(len(route.wire.known_token_ids) + 1) // self.block_size)

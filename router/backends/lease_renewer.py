@@ -3,9 +3,9 @@ decode rank on its own clock: a router that dies leaves nothing held for longer 
 
 import asyncio
 
-from router.pools import Pools
-from router.route_table import RouteTable
-from router.routing import RoutingConfig
+from router.backends.pools import Pools
+from router.backends.route_table import RouteTable
+from router.backends.routing import RoutingConfig
 
 
 class LeaseRenewer:
