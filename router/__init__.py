@@ -10,6 +10,8 @@ api/             the protocol front ends (each maps only its own wire fields):
                    abort_scope.py who may Abort what
   grpc_service.py  registers a service so that an unparsable request is INVALID_ARGUMENT
 frontend.py      the one request path of every protocol (admission, readiness, aborts)
+requests.py      the one request builder every protocol calls (id, prompt, limits, stop ids,
+                 seed, deadline)
 backend.py       the Backend protocol the front end drives
 backends/        what serves requests, and the cluster's control plane:
   local.py         LocalBackend: one LLMEngine on a background thread

@@ -5,8 +5,6 @@ INVALID_ARGUMENT. Nothing here does I/O.
 """
 
 import math
-import secrets
-import uuid
 
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -22,12 +20,12 @@ from engine.messages import (
     RequestOutput,
     TokenLogprobs,
 )
-from engine.model_info import PromptLimits, check_prompt, check_stop_token_ids
+from engine.model_info import PromptLimits
 from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.tokenizer import Tokenizer
 from router.proto import epcluster_pb2 as pb
+from router.requests import InvalidField, make_request
 
-MAX_REQUEST_ID_LEN = 256
 MAX_INT32 = 2**31 - 1
 # Every front end's bounds on SamplingParams' numbers, checked before SamplingParams: each must
 # fit the signed wire field it travels in between router and ranks (int32; int64 for seed), and a
@@ -170,11 +168,8 @@ def generate_request_to_proto(
     return msg
 
 
-def prompt_token_ids(
-    msg: pb.GenerateRequest, tokenizer: Tokenizer, limits: PromptLimits
-) -> list[int]:
-    """The request's prompt as token ids, checked as the engine checks it (check_prompt: the
-    vocabulary, the context, the smallest KV cache of the ranks)."""
+def prompt_token_ids(msg: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """The request's prompt as token ids (make_request checks them against the limits)."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise ValueError("no prompt: set `text` or `token_ids`")
@@ -188,26 +183,7 @@ def prompt_token_ids(
         ids = list(msg.token_ids.ids)
         if not ids:
             raise ValueError("token_ids is empty: give at least one token id")
-    return check_prompt(ids, limits)
-
-
-def check_request_id(request_id: str, name: str = "request_id") -> str:
-    """-> request_id, or ValueError: empty, over MAX_REQUEST_ID_LEN characters, or holding a
-    character that does not print (every front end's rule)."""
-    if not request_id:
-        raise ValueError(f"{name} is empty: leave it unset and the router picks one")
-    if len(request_id) > MAX_REQUEST_ID_LEN:
-        raise ValueError(
-            f"{name} has {len(request_id)} characters: use at most {MAX_REQUEST_ID_LEN}"
-        )
-    if not request_id.isprintable():
-        # NOTE: the id goes into the router's log lines: a newline would forge one.
-        raise ValueError(
-            f"{name} {request_id[:40]!r} holds a character that does not print (a "
-            "control, format, private-use or unassigned one, or a space other than ' '): "
-            "use printable characters"
-        )
-    return request_id
+    return ids
 
 
 def generate_request_from_proto(
@@ -216,30 +192,27 @@ def generate_request_from_proto(
     limits: PromptLimits,
     deadline: float | None = None,
 ) -> GenerateRequest:
-    """Validate and tokenize a Generate request; resolve its id (random when unset) and its seed
-    (a random 63-bit one when unset, so the request is reproducible downstream)."""
+    """Validate and tokenize a Generate request: its own fields here, the rest (the id, random
+    when unset; the prompt's limits; the stop ids; the seed, random when unset) in
+    router/requests.py's make_request, as every protocol does."""
     unknown = unknown_fields(msg)
     if unknown:
         raise ValueError(
             f"request has fields this server does not know: {', '.join(unknown)} "
             "(client and server must use the same epcluster.proto)"
         )
-    if msg.HasField("request_id"):
-        request_id = check_request_id(msg.request_id)
-    else:
-        request_id = uuid.uuid4().hex
-    ids = prompt_token_ids(msg, tokenizer, limits)
+    ids = prompt_token_ids(msg, tokenizer)
     try:
         params = sampling_params_from_proto(msg.sampling_params)
     except ValueError as e:
         raise ValueError(f"sampling_params: {e}") from None
+    request_id = msg.request_id if msg.HasField("request_id") else None
     try:
-        check_stop_token_ids(params.stop_token_ids, limits)
-    except ValueError as e:
-        raise ValueError(f"sampling_params: {e}") from None
-    if params.seed is None:
-        params.seed = secrets.randbelow(MAX_SEED)
-    return GenerateRequest(request_id, ids, params, params.seed, deadline)
+        return make_request(request_id, ids, params, limits, deadline)
+    except InvalidField as e:
+        if e.field == "stop_token_ids":
+            raise ValueError(f"sampling_params: {e}") from None
+        raise
 
 
 # ---- Generate: responses out ----

@@ -21,15 +21,9 @@ from typing import Any
 import jinja2.sandbox
 
 from engine.messages import GenerateRequest
-from engine.model_info import check_prompt, check_stop_token_ids
 from engine.sampling_params import MAX_SEED, SamplingParams
-from router.api.convert import (
-    FLOAT_FIELDS,
-    INT_BOUNDS,
-    check_float,
-    check_int,
-    check_request_id,
-)
+from router.api.convert import FLOAT_FIELDS, INT_BOUNDS, check_float, check_int
+from router.requests import InvalidField, make_request
 
 # A plain template for checkpoints without one (the presets): role-tagged turns, then the
 # assistant's turn to continue.
@@ -252,44 +246,38 @@ class RequestParser:
         )
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
+        elif chat:  # unset in chat: up to the context
+            fields["max_tokens"] = self.backend.model_info().max_model_len
         if chat and body.get("logprobs"):
             fields["logprobs"] = body.get("top_logprobs") or 0
         elif not chat and body.get("logprobs") is not None:
             fields["logprobs"] = body["logprobs"]
         try:
-            params = SamplingParams(**fields)
+            return SamplingParams(**fields)
         except (ValueError, TypeError, OverflowError, RecursionError) as e:
             raise HttpError(400, _first_line(e), str(e).split(" ", 1)[0]) from None
-        if chat and "max_tokens" not in fields:  # unset in chat: up to the context
-            params.max_tokens = self.backend.model_info().max_model_len
-        if params.seed is None:
-            params.seed = secrets.randbelow(MAX_SEED)
-        try:
-            check_stop_token_ids(params.stop_token_ids, self.backend.prompt_limits())
-        except ValueError as e:
-            raise HttpError(400, str(e), "stop_token_ids") from None
-        return params
 
     def _requests(
         self, request_id: str | None, body: dict, prompts: list, chat: bool
     ) -> list[GenerateRequest]:
         params = self._params(body, chat)
         limits = self.backend.prompt_limits()
+        # one seed for the prompts of one body, as before the builder drew them
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=secrets.randbelow(MAX_SEED))
         base = request_id or uuid.uuid4().hex
-        try:
-            check_request_id(base, "X-Request-Id")
-        except ValueError as e:
-            raise HttpError(400, str(e), "X-Request-Id") from None
+        fields = {"request_id": "X-Request-Id", "prompt": "messages" if chat else "prompt"}
         out = []
         for i, prompt in enumerate(prompts):
             ids = self.backend.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            try:
-                ids = check_prompt(ids, limits)
-            except ValueError as e:
-                raise HttpError(400, str(e), "messages" if chat else "prompt") from None
             rid = base if len(prompts) == 1 else f"{base}-{i}"
-            p = dataclasses.replace(params)
-            out.append(GenerateRequest(rid, ids, p, p.seed))
+            try:
+                request = make_request(
+                    rid, ids, dataclasses.replace(params), limits, id_name="X-Request-Id"
+                )
+            except InvalidField as e:
+                raise HttpError(400, str(e), fields.get(e.field, e.field)) from None
+            out.append(request)
         return out
 
 

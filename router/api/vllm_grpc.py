@@ -16,7 +16,6 @@ import contextlib
 import datetime
 import hashlib
 import io
-import secrets
 import time
 import zipfile
 from pathlib import Path
@@ -26,11 +25,11 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine.messages import GenerateRequest, RequestOutput
-from engine.model_info import PromptLimits, check_prompt, check_stop_token_ids
-from engine.sampling_params import MAX_SEED, SamplingParams
+from engine.sampling_params import SamplingParams
 from router.api.abort_scope import AbortScope
-from router.api.convert import check_bounds, check_request_id, conversion_cost
+from router.api.convert import check_bounds, conversion_cost
 from router.frontend import Frontend, Refused, off_loop
+from router.requests import InvalidField, make_request
 
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -58,9 +57,11 @@ class VllmEngineServicer:
     async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
         start = time.monotonic()
         self.last_request = time.time()
+        remaining = context.time_remaining()  # the client's deadline, as epcluster.v1 takes it
+        deadline = time.time() + remaining if remaining is not None else None
         try:
             # text tokenized, or token ids checked one by one (~1M in a 4 MiB message)
-            req = await off_loop(conversion_cost(request), self._request, request)
+            req = await off_loop(conversion_cost(request), self._request, request, deadline)
             self.aborts.started(req.request_id, context)  # Abort: its owner, or the admin
         except ValueError as e:
             self.frontend.refuse("INVALID_ARGUMENT", str(e))
@@ -84,7 +85,9 @@ class VllmEngineServicer:
         except Refused as e:
             await context.abort(grpc.StatusCode[e.status], e.message)
 
-    def _request(self, msg: vpb.GenerateRequest) -> GenerateRequest:
+    def _request(self, msg: vpb.GenerateRequest, deadline: float | None) -> GenerateRequest:
+        """vLLM's wire fields -> router/requests.py's make_request, or ValueError /
+        NotImplementedError."""
         for field, what in (
             ("mm_inputs", "multimodal inputs"),
             ("media_refs", "media refs"),
@@ -102,10 +105,14 @@ class VllmEngineServicer:
             ids = self.backend.tokenizer.encode(msg.text)
         else:
             raise ValueError("no input: set `tokenized` or `text`")
-        ids = check_prompt(ids, self.backend.prompt_limits())
-        params = sampling_params(msg.sampling_params, self.backend.prompt_limits())
-        request_id = check_request_id(msg.request_id) if msg.request_id else secrets.token_hex(16)
-        return GenerateRequest(request_id, ids, params, params.seed)
+        params = sampling_params(msg.sampling_params)
+        request_id = msg.request_id or None  # proto3: "" is unset
+        try:
+            return make_request(request_id, ids, params, self.backend.prompt_limits(), deadline)
+        except InvalidField as e:
+            if e.field == "stop_token_ids":
+                raise ValueError(f"sampling_params: {e}") from None
+            raise
 
     # ---- the rest ----
 
@@ -225,8 +232,9 @@ def tokenizer_zip(checkpoint: Path) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def sampling_params(p: vpb.SamplingParams, limits: PromptLimits) -> SamplingParams:
-    """vLLM's proto sampling fields -> SamplingParams (proto3 zeros mean unset)."""
+def sampling_params(p: vpb.SamplingParams) -> SamplingParams:
+    """vLLM's proto sampling fields -> SamplingParams (proto3 zeros mean unset; no seed: None,
+    make_request draws one)."""
     refused = {
         "n": p.n > 1,
         "frequency_penalty": p.frequency_penalty != 0,
@@ -250,24 +258,17 @@ def sampling_params(p: vpb.SamplingParams, limits: PromptLimits) -> SamplingPara
         "stop": list(p.stop),
         "stop_token_ids": list(p.stop_token_ids),
         "ignore_eos": p.ignore_eos,
-        "seed": p.seed if p.HasField("seed") else secrets.randbelow(MAX_SEED),
+        "seed": p.seed if p.HasField("seed") else None,
+        # vLLM: unset means up to the context
+        "max_tokens": p.max_tokens if p.HasField("max_tokens") else 1 << 30,
     }
-    if p.HasField("max_tokens"):
-        fields["max_tokens"] = p.max_tokens
     if p.HasField("logprobs"):
         fields["logprobs"] = p.logprobs
     try:
         check_bounds(fields)  # uint32 top_k / max_tokens past int32; the same rules everywhere
-        params = SamplingParams(**fields)
+        return SamplingParams(**fields)
     except ValueError as e:
         raise ValueError(f"sampling_params: {e}") from None
-    if not p.HasField("max_tokens"):
-        params.max_tokens = 1 << 30  # vLLM: up to the context
-    try:
-        check_stop_token_ids(params.stop_token_ids, limits)
-    except ValueError as e:
-        raise ValueError(f"sampling_params: {e}") from None
-    return params
 
 
 def _logprobs(lps: list) -> vpb.OutputLogProbs | None:

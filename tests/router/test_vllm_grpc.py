@@ -6,6 +6,7 @@ the engine service's name; a cancelled stream frees its blocks."""
 import asyncio
 import hashlib
 import io
+import time
 import zipfile
 
 import grpc
@@ -171,3 +172,26 @@ def test_a_cancelled_stream_and_abort_free_the_blocks(server, stub, backend):
     stub.Abort(vpb.AbortRequest(request_ids=["r-True-2"]))
     rest = list(call)
     assert rest[-1].complete.finish_reason == "abort"
+
+
+def test_a_short_deadline_reaches_the_request_and_ends_deadline_exceeded(
+    stub, backend, monkeypatch
+):
+    """The client's deadline travels into the request as epcluster.v1's does (it once was
+    dropped: the ranks ran such a request to its end), and nothing is held after it."""
+    seen = []
+    generate_on_backend = backend.generate
+
+    def spy(request):
+        seen.append(request)
+        return generate_on_backend(request)
+
+    monkeypatch.setattr(backend, "generate", spy)
+    before = time.time()
+    long = generate(list(range(5, 12)), True, max_tokens=1500, ignore_eos=True, temperature=0)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(long, timeout=0.4))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    (request,) = seen
+    assert request.deadline is not None and before < request.deadline < before + 1.0
+    assert wait_idle(backend) == (False, 0)
