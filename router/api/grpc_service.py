@@ -31,7 +31,9 @@ def _lenient(cls: type[message.Message]) -> Callable[[bytes], Any]:
     return parse
 
 
-def _checked(behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]):
+def _checked(
+    behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Unparsed):
             await context.abort(

@@ -14,6 +14,8 @@ vLLM's (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `seed`); fields epclus
 import asyncio
 import hmac
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -66,7 +68,9 @@ class OpenAIServer:
         app = FastAPI(title="epcluster", docs_url=None, redoc_url=None)
 
         @app.middleware("http")
-        async def auth_and_request_id(request: Request, call_next):
+        async def auth_and_request_id(
+            request: Request, call_next: Callable[[Request], Awaitable[Response]]
+        ) -> Response:
             if self.token is not None and request.url.path.startswith("/v1/"):
                 sent = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(sent, self.token):
@@ -84,26 +88,26 @@ class OpenAIServer:
             return response
 
         @app.exception_handler(HttpError)
-        async def http_error(_: Request, e: HttpError):
+        async def http_error(_: Request, e: HttpError) -> JSONResponse:
             return JSONResponse(error_body(e.status, e.message, e.param, e.code), e.status)
 
         @app.exception_handler(Refused)
-        async def refused(_: Request, e: Refused):
+        async def refused(_: Request, e: Refused) -> JSONResponse:
             return _refused_response(e)
 
         @app.get("/health")
-        async def health():
+        async def health() -> Response:
             ok = self.backend.ready() and not self.frontend.draining
             return Response(status_code=200 if ok else 503)
 
         @app.get("/metrics")
-        async def metrics():
+        async def metrics() -> Response:
             if self.registry is None:
                 raise HttpError(404, "metrics are off on this router (metrics_port: null)")
             return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
-        async def models():
+        async def models() -> dict[str, Any]:
             info = self.backend.model_info()
             return {
                 "object": "list",
@@ -120,18 +124,18 @@ class OpenAIServer:
             }
 
         @app.post("/v1/completions")
-        async def completions(request: Request):
+        async def completions(request: Request) -> Response:
             return await self._respond(request, chat=False)
 
         @app.post("/v1/chat/completions")
-        async def chat(request: Request):
+        async def chat(request: Request) -> Response:
             return await self._respond(request, chat=True)
 
         return app
 
     # ---- responses out ----
 
-    async def _respond(self, request: Request, chat: bool):
+    async def _respond(self, request: Request, chat: bool) -> Response:
         """Read, parse and check the body, run its requests, answer (JSON or SSE)."""
         raw = await read_body(request, self.max_body_bytes)
         # NOTE: off the loop, always: parsing 4 MiB of JSON, rendering a chat template, checking

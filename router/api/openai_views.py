@@ -4,12 +4,16 @@ router/api/openai_http.py, from the frontend's RequestOutputs; and its error env
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 
 from engine.messages import RequestOutput
+from engine.tokenizer import Tokenizer
 from router.frontend import Refused
+
+Deltas = AsyncGenerator[RequestOutput, None]  # one request's stream from Frontend.generate
 
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -31,7 +35,9 @@ ERROR_TYPE = {
 }
 
 
-def error_body(status: int, message: str, param: str | None = None, code=None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
@@ -46,8 +52,14 @@ class OpenAIView:
     """OpenAI's JSON for one request's choices."""
 
     def __init__(
-        self, model_name: str, tokenizer, ident: str, created: int, chat: bool, body: dict
-    ):
+        self,
+        model_name: str,
+        tokenizer: Tokenizer,
+        ident: str,
+        created: int,
+        chat: bool,
+        body: dict[str, Any],
+    ) -> None:
         self.model_name, self.ident, self.created, self.chat = model_name, ident, created, chat
         self.top = body.get("top_logprobs") or 0 if chat else body.get("logprobs") or 0
         self.tokenizer = tokenizer
@@ -119,11 +131,13 @@ class OpenAIView:
             "usage": self._usage(outs),
         }
 
-    async def sse(self, firsts, streams, usage: bool) -> AsyncIterator[str]:
+    async def sse(
+        self, firsts: list[RequestOutput], streams: list[Deltas], usage: bool
+    ) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
         latest: dict[int, RequestOutput] = {}
 
-        async def pump(i: int, first: RequestOutput, stream) -> None:
+        async def pump(i: int, first: RequestOutput, stream: Deltas) -> None:
             try:
                 await queue.put((i, first))
                 async for out in stream:
@@ -179,7 +193,7 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def gather(first: RequestOutput, stream) -> RequestOutput:
+async def gather(first: RequestOutput, stream: Deltas) -> RequestOutput:
     acc = first
     async for out in stream:
         acc = acc.merge(out)

@@ -30,18 +30,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> None:
         start = time.monotonic()
         if self.frontend.draining:  # before parsing: a router that stops answers at once
-            await _abort(context, self.frontend.refuse(
-                "UNAVAILABLE", "this router is shutting down: retry (on another router)",
-                "draining", retry=1.0,
-            ))  # fmt: skip
+            why = "this router is shutting down: retry (on another router)"
+            await _abort(context, self.frontend.refuse("UNAVAILABLE", why, "draining", 1.0))
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else None
         try:
             text = convert.conversion_cost(request)  # text chars or token ids (checked each)
-            req = await off_loop(
-                text, convert.generate_request_from_proto, request, self.backend.tokenizer,
-                self.backend.prompt_limits(), deadline,
-            )  # fmt: skip
+            tokenizer, limits = self.backend.tokenizer, self.backend.prompt_limits()
+            build = convert.generate_request_from_proto
+            req = await off_loop(text, build, request, tokenizer, limits, deadline)
         except ValueError as e:
             await _abort(context, self.frontend.refuse("INVALID_ARGUMENT", str(e)))
         sent = False

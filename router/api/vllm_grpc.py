@@ -32,6 +32,7 @@ from router.frontend import Frontend, Refused, off_loop
 from router.requests import InvalidField, make_request
 
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
+Context = grpc.aio.ServicerContext
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _UNSUPPORTED = grpc.StatusCode.UNIMPLEMENTED
 TOKENIZER_FILES = (
@@ -54,7 +55,9 @@ class VllmEngineServicer:
 
     # ---- Generate ----
 
-    async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(
+        self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
         start = time.monotonic()
         self.last_request = time.time()
         remaining = context.time_remaining()  # the client's deadline, as epcluster.v1 takes it
@@ -116,15 +119,17 @@ class VllmEngineServicer:
 
     # ---- the rest ----
 
-    async def Embed(self, request, context):
+    async def Embed(self, request: vpb.EmbedRequest, context: Context) -> None:
         await context.abort(_UNSUPPORTED, "epcluster serves generation models: no embeddings")
 
-    async def HealthCheck(self, request, context) -> vpb.HealthCheckResponse:
+    async def HealthCheck(
+        self, request: vpb.HealthCheckRequest, context: Context
+    ) -> vpb.HealthCheckResponse:
         ready = self.backend.ready() and not self.frontend.draining
         why = "ok" if ready else ("draining" if self.frontend.draining else "not ready")
         return vpb.HealthCheckResponse(healthy=ready, message=why)
 
-    async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:
+    async def Abort(self, request: vpb.AbortRequest, context: Context) -> vpb.AbortResponse:
         refusal = self.aborts.refusal(request.request_ids, context)
         if refusal is not None:  # another caller's request, and no admin token
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
@@ -132,7 +137,9 @@ class VllmEngineServicer:
             await self.backend.abort(rid)
         return vpb.AbortResponse()
 
-    async def GetModelInfo(self, request, context) -> vpb.GetModelInfoResponse:
+    async def GetModelInfo(
+        self, request: vpb.GetModelInfoRequest, context: Context
+    ) -> vpb.GetModelInfoResponse:
         info = self.backend.model_info()
         limits = self.backend.prompt_limits()
         eos = [] if info.eos_token_id is None else [info.eos_token_id]
@@ -150,7 +157,9 @@ class VllmEngineServicer:
             max_req_input_len=limits.max_prompt_tokens,
         )
 
-    async def GetServerInfo(self, request, context) -> vpb.GetServerInfoResponse:
+    async def GetServerInfo(
+        self, request: vpb.GetServerInfoRequest, context: Context
+    ) -> vpb.GetServerInfoResponse:
         return vpb.GetServerInfoResponse(
             active_requests=len(self.frontend.in_flight),
             is_paused=self.frontend.draining,
@@ -161,7 +170,9 @@ class VllmEngineServicer:
             data_parallel_size=1,
         )
 
-    async def GetLoads(self, request: vpb.GetLoadsRequest, context) -> vpb.GetLoadsResponse:
+    async def GetLoads(
+        self, request: vpb.GetLoadsRequest, context: Context
+    ) -> vpb.GetLoadsResponse:
         status = await self.backend.status()
         loads = []
         for i, rank in enumerate(r for p in status.pools for r in p.ranks):
@@ -187,7 +198,7 @@ class VllmEngineServicer:
             loads=loads,
         )
 
-    async def GetTokenizer(self, request, context):
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest, context: Context) -> None:
         if self.checkpoint is None:
             await context.abort(_UNSUPPORTED, "this router has no checkpoint directory")
         # NOTE: zipping V3's 8 MB tokenizer.json took ~0.5 s, once per call on the router's loop;
@@ -208,16 +219,24 @@ class VllmEngineServicer:
                 )
             )
 
-    async def FlushCache(self, request, context):
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: Context
+    ) -> common_pb2.FlushCacheResponse:
         return common_pb2.FlushCacheResponse(success=False, message="not supported by epcluster")
 
-    async def StartProfile(self, request, context):
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
         return common_pb2.ProfileResponse(success=False, message="not supported by epcluster")
 
-    async def StopProfile(self, request, context):
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
         return common_pb2.ProfileResponse(success=False, message="not supported by epcluster")
 
-    async def SubscribeKvEvents(self, request, context):
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: Context
+    ) -> None:
         await context.abort(_UNSUPPORTED, "epcluster publishes no KV cache events")
 
 
