@@ -16,9 +16,11 @@ backend.py       the Backend protocol the front end drives
 backends/        what serves requests, and the cluster's control plane:
   local.py         LocalBackend: one LLMEngine on a background thread
   cluster.py       ClusterBackend over a prefill and a decode pool, made of route_table.py (the
-                   requests in flight), decode_streams.py, lease_renewer.py and cluster_admin.py
-                   (status, rebalances, expert load, service discovery)
-  ranks.py         the rank Protocols; attempt_errors.py how an attempt ends without a failure
+                   requests in flight), reservations.py (KV reservations on decode ranks),
+                   decode_streams.py, lease_renewer.py and cluster_admin.py (status,
+                   rebalances, expert load, service discovery)
+  ranks.py         the rank Protocols; attempt_errors.py how an attempt ends without a
+                   failure; attempt_waits.py how it waits (deadline, abort, re-forming pools)
   pools.py         the health watch and re-forming; routing.py where a request goes
                    (RoutingConfig); decode_room.py the decode ranks' free blocks and waiters
 admission.py     caps on admitted requests and their prompt tokens

@@ -33,7 +33,6 @@ from engine.messages import (
     GenerateRequest,
     ModelInfo,
     PoolLoad,
-    RankStatus,
     RebalanceStatus,
     RequestFailed,
     RequestOutput,
@@ -41,28 +40,26 @@ from engine.messages import (
 )
 from engine.model_info import PromptLimits
 from engine.tokenizer import Tokenizer
-from router.backend import Overloaded, Unavailable
+from router.backend import Unavailable
 from router.backends.attempt_errors import AttemptLost, KVTransferFailed, P2PTransferFailed
+from router.backends.attempt_waits import ABORTED, queued, wait_for_pools, within
 from router.backends.cluster_admin import ClusterAdmin
-from router.backends.decode_room import Turn
 from router.backends.decode_streams import DecodeStreams
 from router.backends.lease_renewer import LeaseRenewer
 from router.backends.pools import HealthConfig, PoolControl, Pools, RankCallFailed, RankFailed
 from router.backends.ranks import DecodeRank, PrefillRank
+from router.backends.reservations import DecodeReservations
 from router.backends.route_table import Route, RouteTable
-from router.backends.routing import RoutingConfig, decode_preference, prefill_choice, prefix_key
+from router.backends.routing import RoutingConfig, prefill_choice, prefix_key
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
 
-_ABORTED = object()  # _within: the deadline passed or the request was aborted
-_NOTHING = object()  # _within: nothing came from the route's queue
-
-
 class ClusterBackend:
     """The request path (below) over its parts, each the owner of its state: the route table,
-    the decode streams, the lease renewer, the admin (status, rebalances, expert load)."""
+    the decode reservations, the decode streams, the lease renewer, the admin (status,
+    rebalances, expert load)."""
 
     def __init__(
         self,
@@ -95,7 +92,10 @@ class ClusterBackend:
         self.streams = DecodeStreams(self.pools, self.routes, self.router_id, routing.kv_lease_s)
         self.renewer = LeaseRenewer(self.pools, self.routes, routing, self.router_id)
         self.admin = ClusterAdmin(self.pools, routing, model_info, self.routes)
-        self.pools.on_status.append(self._on_status)
+        self.reservations = DecodeReservations(
+            self.pools, self.routes, routing, self.router_id, block_size, self._in_background
+        )
+        self.pools.on_status.append(self.reservations.on_status)
         self._kv_rebuild: asyncio.Task | None = None
         self.num_kv_fallbacks = 0  # requests resumed through the object store after a p2p error
         self.num_kv_rebuilds = 0
@@ -278,7 +278,7 @@ class ClusterBackend:
 
     async def _attempt(self, route: Route) -> AsyncIterator[RequestOutput]:
         request = route.request
-        waited = await self._wait_for_pools(request)
+        waited = await wait_for_pools(self.pools, self.routing.recovery_wait_s, request)
         if waited is None:
             yield self._aborted(route)  # the deadline passed while a pool re-formed
             return
@@ -295,27 +295,6 @@ class ClusterBackend:
             async for delta in self._decode_phase(route, start):
                 yield delta
 
-    async def _wait_for_pools(self, request: GenerateRequest) -> bool | None:
-        """True once both pools can take work; None if the deadline passes first. Raises
-        Unavailable after recovery_wait_s."""
-        if self.pools.ready():
-            return True
-        wait = self.routing.recovery_wait_s
-        left = None if request.deadline is None else request.deadline - time.time()
-        if await self.pools.wait_ready(wait if left is None else max(0.0, min(wait, left))):
-            return True
-        if left is not None and left <= wait:
-            return None
-        raise Unavailable(
-            f"a pool is re-forming after a rank failure ({self._last_failure()}): retry in a "
-            "few seconds"
-        )
-
-    def _last_failure(self) -> str:
-        return "; ".join(
-            f"{p.name}: {p.last_failure}" for p in self.pools.pools.values() if p.last_failure
-        )
-
     async def _prefill_phase(self, route: Route) -> RequestOutput | None:
         """Reserve the blocks on a decode rank, run the prompt on a prefill rank; -> the first
         token's delta, or None when the deadline passed or the request was aborted."""
@@ -323,9 +302,9 @@ class ClusterBackend:
         waited = time.monotonic()
         ranks = self.pools["decode"].ranks  # a re-form installs a new list: these stay
         try:
-            route.decode = await self._reserve(route)
+            route.decode = await self.reservations.reserve(route)
         except (asyncio.CancelledError, RankCallFailed):
-            self._forget_reserve(route)
+            self.reservations.forget(route)
             raise
         if route.decode is None:
             return None
@@ -355,7 +334,7 @@ class ClusterBackend:
         kv_dst = self.pools["decode"].ranks[route.decode].kv_rank
         task = asyncio.ensure_future(prefill.ranks[route.prefill].prefill(wire, kv_dst))
         try:
-            result = await self._within(route, task, cancel=not p2p)
+            result = await within(route, task, cancel=not p2p)
         except BaseException:
             if p2p:
                 self._settle_prefill(route, task)
@@ -363,7 +342,7 @@ class ClusterBackend:
         finally:
             if prefill.generation == route.prefill_gen:
                 self.routes.prefill_load[route.prefill] -= known
-        if result is _ABORTED:
+        if result is ABORTED:
             if p2p:
                 self._settle_prefill(route, task)
             return None
@@ -390,7 +369,7 @@ class ClusterBackend:
         """Wait for the decode rank to take the KV (`start`), then stream its deltas until the
         finish, the deadline or an abort."""
         try:
-            started = await self._within(route, start, watch_queue=False)
+            started = await within(route, start, watch_queue=False)
         except (RankFailed, asyncio.CancelledError):
             raise
         except Exception as e:
@@ -400,14 +379,14 @@ class ClusterBackend:
             raise KVTransferFailed(
                 f"the prompt's KV cache did not reach decode rank {route.decode}: {e}"
             ) from e
-        if started is _ABORTED:  # the deadline, while the KV was on its way
+        if started is ABORTED:  # the deadline, while the KV was on its way
             yield self._aborted(route)
             return
         route.started = True
         while not route.done:
-            delta = await self._within(route, route.queue.get(), watch_queue=False)
-            delta = _ABORTED if delta is _ABORTED else _queued(delta)
-            if delta is _ABORTED:
+            delta = await within(route, route.queue.get(), watch_queue=False)
+            delta = ABORTED if delta is ABORTED else queued(delta)
+            if delta is ABORTED:
                 yield self._aborted(route)
                 return
             route.done = delta.finished
@@ -433,101 +412,6 @@ class ClusterBackend:
             if isinstance(result, BaseException):
                 log.warning("cleanup of %s failed: %r", rid, result)
         self.routes.room.forget(rid)  # its decode blocks are free (if it held any)
-
-    async def _reserve(self, route: Route) -> int | None:
-        """Reserve the known tokens' blocks on the best decode rank with room; -> the decode
-        rank, None when the deadline passes or the request is aborted first.
-
-        Without room it waits in the room's FIFO queue (Overloaded at once when the queue is
-        full, and after reserve_wait_s): only the head tries again, when the router's view of
-        the free blocks changes (router/backends/decode_room.py), so waiting costs the ranks no
-        calls.
-        Past reserve_wait_s while a pool re-forms it waits for the pool as a new request does
-        (Unavailable after recovery_wait_s), then for room again."""
-        needed = -(-(len(route.wire.known_token_ids) + 1) // self.block_size)
-        room, wait_s = self.routes.room, self.routing.reserve_wait_s
-        give_up = time.monotonic() + wait_s
-        turn: Turn | None = None
-        try:
-            while True:
-                if room.may_try(turn):
-                    if turn is not None:
-                        turn.event.clear()  # a change while it tries: it tries once more
-                    i = await self._try_reserve(route, needed)
-                    if i is not None:
-                        return i
-                if time.monotonic() >= give_up:
-                    if self.pools.ready():
-                        raise Overloaded(
-                            f"no decode rank has room for {needed} KV blocks (the most free "
-                            f"is {self._most_free()}) after {wait_s:.0f} s: retry later"
-                        )
-                    if await self._wait_for_pools(route.request) is None:
-                        return None  # the deadline passed while a pool re-formed
-                    give_up = time.monotonic() + wait_s
-                    continue
-                if turn is None:
-                    turn = room.enqueue()
-                left = give_up - time.monotonic()
-                if await self._within(route, room.wait(turn, left)) is _ABORTED:
-                    return None
-        finally:
-            if turn is not None:
-                room.leave(turn)
-
-    async def _try_reserve(self, route: Route, needed: int) -> int | None:
-        """Ask the decode ranks the view says have room, best first; -> the one that granted
-        the reservation, or None."""
-        wire, decode, room = route.wire, self.pools["decode"], self.routes.room
-        live = self._decode_statuses()
-        for i in decode_preference(live, room.taken(), needed):
-            # NOTE: counted before the await: requests that arrive together must see each
-            # other's choices (counted after it, a burst of 32 all reserved on one rank).
-            # route.decode is set first so that a cancel during the call aborts it (M10).
-            taken = room.take(i, needed)
-            route.decode, route.decode_gen = i, decode.generation
-            ok = False
-            try:
-                ok = await decode.ranks[i].reserve(
-                    wire.request_id, wire.known_token_ids, self.routing.kv_lease_s,
-                    self.router_id,
-                )  # fmt: skip
-            finally:
-                if not ok:
-                    room.untake(taken)
-            if ok:
-                if decode.generation == route.decode_gen:
-                    room.hold(wire.request_id, taken)
-                return i
-            # NOTE: decode_gen too: a request cancelled while it waits held nothing, so
-            # _forget_reserve has nothing to abort on the pool's ranks
-            route.decode, route.decode_gen = None, -1
-            room.refused(i, needed, live[i])
-        return None
-
-    def _decode_statuses(self) -> list[RankStatus]:
-        """Each decode rank's last status (one not ready where there is none)."""
-        n = len(self.pools["decode"].ranks)
-        statuses = [self.pools.status.get(("decode", i)) for i in range(n)]
-        return [s or RankStatus.down("decode", i) for i, s in enumerate(statuses)]
-
-    def _most_free(self) -> int:
-        taken = self.routes.room.taken()
-        free = [s.kv_free_blocks - t for s, t in zip(self._decode_statuses(), taken, strict=False)]
-        return max(free, default=0)
-
-    def _on_status(self, pool: str, rank: int) -> None:
-        if pool == "decode":
-            self.routes.room.refreshed(rank, self.pools.status.get(("decode", rank)))
-
-    def _forget_reserve(self, route: Route) -> None:
-        """A reserve call may have been in flight when the attempt ended (a cancel, no answer):
-        its rank may still grant it, and route.decode does not say which rank that is, so
-        the id is aborted on every rank of the pool (it would hold blocks for a lease)."""
-        decode, rid = self.pools["decode"], route.wire.request_id
-        if decode.generation == route.decode_gen:
-            for rank in decode.ranks:
-                self._in_background(rank.abort(rid), f"abort of {rid}'s reservation")
 
     def _settle_prefill(self, route: Route, task: asyncio.Future) -> None:
         """p2p: a prefill this attempt stopped waiting for may have sent (or still send) the
@@ -561,39 +445,6 @@ class ClusterBackend:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _within(
-        self, route: Route, awaitable: Any, watch_queue: bool = True, cancel: bool = True
-    ) -> Any:
-        """Await `awaitable` until the request's deadline, or (watch_queue) until an abort or a
-        rank failure arrives on the route's queue; -> its result, or _ABORTED. A RankFailed or
-        an AttemptLost, from the queue or from the awaitable, is raised. cancel=False leaves
-        the awaitable running when it is abandoned (the caller settles it)."""
-        request = route.request
-        timeout = None if request.deadline is None else max(0.0, request.deadline - time.time())
-        task = asyncio.ensure_future(awaitable)
-        waits = {task}
-        marker = asyncio.ensure_future(route.queue.get()) if watch_queue else None
-        if marker is not None:
-            waits.add(marker)
-        try:
-            finished, _ = await asyncio.wait(
-                waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for waiter in waits:
-                if cancel or waiter is not task:
-                    waiter.cancel()
-        item = marker.result() if marker is not None and marker in finished else _NOTHING
-        if task in finished:
-            if item is not _NOTHING and not (
-                isinstance(item, RankFailed) and item.pool == "prefill"
-            ):  # both at once: keep the marker (a prefill failure is moot: its result is in)
-                route.queue.put_nowait(item)
-            return task.result()
-        if item is _NOTHING:
-            return _ABORTED  # the deadline
-        return _queued(item)
-
     def _aborted(self, route: Route) -> RequestOutput:
         return self._finished(route, "abort")
 
@@ -608,14 +459,6 @@ class ClusterBackend:
             len(route.token_ids),
             0,
         )
-
-
-def _queued(item: Any) -> Any:
-    """What came from a route's queue: a delta; None (an abort) -> _ABORTED; a RankFailed or
-    an AttemptLost is raised."""
-    if isinstance(item, BaseException):
-        raise item
-    return _ABORTED if item is None else item
 
 
 def _retrieved(task: asyncio.Future) -> None:

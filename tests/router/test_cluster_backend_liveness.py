@@ -12,6 +12,7 @@ import time
 from cluster.handles import DecodeHandle
 from engine.handoff import LeaseLapsed
 from engine.tokenizer import Tokenizer
+from router.backends.attempt_waits import within
 from router.backends.cluster import ClusterBackend
 from router.backends.pools import HealthConfig, RankFailed
 from router.backends.routing import RoutingConfig
@@ -207,12 +208,12 @@ def test_a_prefill_failure_notice_that_lands_with_the_prefills_result_is_moot():
         route.queue.put_nowait(RankFailed("prefill", 1, "its pool is re-forming"))
         done = asyncio.get_running_loop().create_future()
         done.set_result("first")
-        assert await backend._within(route, done) == "first"
+        assert await within(route, done) == "first"
         assert route.queue.empty()  # dropped: the decode goes on, no resume spent
         route.queue.put_nowait(RankFailed("decode", 0, "its pool is re-forming"))
         done = asyncio.get_running_loop().create_future()
         done.set_result("first")
-        assert await backend._within(route, done) == "first"
+        assert await within(route, done) == "first"
         assert isinstance(route.queue.get_nowait(), RankFailed)  # kept: the decode must resume
         del backend.routes.by_client["x"]
         await backend.close()
