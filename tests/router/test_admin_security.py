@@ -25,8 +25,8 @@ from router.client import InferenceClient
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
 from router.server import RouterServer
+from tests.router.backends.test_cluster_backend import INFO
 from tests.router.conftest import wait_idle
-from tests.router.test_cluster_backend import INFO
 from tests.router.test_security import ADMIN_TOKEN, TOKEN, start, tokens, write_pki
 
 

@@ -10,7 +10,7 @@ from engine.messages import GenerateRequest, RequestFailed, RequestOutput
 from engine.sampling_params import SamplingParams
 from router.backends.pools import RankFailed
 from router.frontend import INTERNAL, INVALID, _refused_by
-from tests.router.test_cluster_backend import (
+from tests.router.backends.test_cluster_backend import (
     FakeControl,
     FakeDecode,
     FakePrefill,

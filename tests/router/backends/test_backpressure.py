@@ -16,7 +16,7 @@ from router.backends.cluster import ClusterBackend
 from router.backends.decode_room import DecodeRoom
 from router.backends.pools import HealthConfig
 from router.backends.routing import RoutingConfig, decode_preference
-from tests.router.test_cluster_backend import (
+from tests.router.backends.test_cluster_backend import (
     BLOCK,
     INFO,
     FakeControl,

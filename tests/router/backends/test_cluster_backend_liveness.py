@@ -16,7 +16,7 @@ from router.backends.attempt_waits import within
 from router.backends.cluster import ClusterBackend
 from router.backends.pools import HealthConfig, RankFailed
 from router.backends.routing import RoutingConfig
-from tests.router.test_cluster_backend import (
+from tests.router.backends.test_cluster_backend import (
     BLOCK,
     INFO,
     FakeControl,
