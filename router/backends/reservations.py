@@ -89,10 +89,10 @@ class DecodeReservations:
             route.decode, route.decode_gen = i, decode.generation
             ok = False
             try:
+                lease = self.routing.kv_lease_s
                 ok = await decode.ranks[i].reserve(
-                    wire.request_id, wire.known_token_ids, self.routing.kv_lease_s,
-                    self.router_id,
-                )  # fmt: skip
+                    wire.request_id, wire.known_token_ids, lease, self.router_id
+                )
             finally:
                 if not ok:
                     room.untake(taken)
