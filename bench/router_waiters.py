@@ -1,7 +1,7 @@
 """The router's event loop under overload: GetModelInfo latency through real gRPC while 1,000
 requests wait for decode room, and the status calls per second the router makes to its ranks,
 BEFORE (each waiter polled every rank every 50 ms) and AFTER (they wait on the router's view of
-the free blocks, router/decode_room.py), side by side in one run.
+the free blocks, router/backends/decode_room.py), side by side in one run.
 
     .venv/bin/python -m bench.router_waiters [--waiters 1000] [--calls 200] [--before REV]
 
@@ -43,7 +43,8 @@ def serve_main(num_prefill: int, num_decode: int, waiters: int, call_s: float) -
     from engine.messages import ModelInfo, RankStatus
     from engine.tokenizer import Tokenizer
     from router.admission import AdmissionConfig
-    from router.cluster_backend import ClusterBackend, RoutingConfig
+    from router.backends.cluster import ClusterBackend
+    from router.backends.routing import RoutingConfig
     from router.server import serve
 
     counts = {"status": 0, "reserve": 0, "other": 0}
@@ -319,7 +320,7 @@ def main() -> None:
     # the commit whose _reserve stopped calling poll_once; its parent still did
     before = args.before or git(
         "log", "-S", "await self.pools.poll_once()", "--format=%H^", "-1", "--",
-        "router/cluster_backend.py",
+        "router/backends/cluster.py",
     ).strip()  # fmt: skip
     before_sha = git("rev-parse", before).strip()
     tree = Path(tempfile.mkdtemp(prefix="router-waiters-before-"))

@@ -79,8 +79,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_remote(args: argparse.Namespace, params) -> int:
+    from router.api.convert import output_from_proto
     from router.client import InferenceClient
-    from router.convert import output_from_proto
 
     client = InferenceClient(args.target, security=client_security(args))
     try:

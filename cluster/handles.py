@@ -5,7 +5,8 @@ Every call has a timeout, and liveness is kept apart from work:
   unreachable (RayActorError), or it raised RankStopped (its engine stopped).
 - A call that gets no answer in time, or fails in Ray without the actor's death, raises
   RankCallFailed: the attempt that made it is lost, never the rank. Whether the rank is alive is
-  for its status calls to say (router/pools.py: `max_misses` status misses in a row fail it).
+  for its status calls to say (router/backends/pools.py: `max_misses` status misses in a row
+  fail it).
   Status calls travel in the actors' own "control" concurrency group, so thousands of queued
   prefills or a slow KV fetch never delay them.
 - Decode `start` has its own, longer timeout (kv_start_timeout_s: the KV's turn and transfer,
@@ -31,7 +32,7 @@ from ray.exceptions import ObjectLostError, RayActorError, RayError, RayTaskErro
 
 from engine.kv_transfer import KVTransferError
 from engine.messages import GenerateRequest, RankStatus, RankStopped, RequestOutput
-from router.pools import RankCallFailed, RankFailed
+from router.backends.pools import RankCallFailed, RankFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -25,10 +25,11 @@ from moe.config import ModelConfig
 from moe.loader import resolve_model_path
 from router.admission import AdmissionConfig
 from router.auth import ServerSecurity, read_token
-from router.cluster_backend import ClusterBackend, RoutingConfig
+from router.backends.cluster import ClusterBackend
+from router.backends.pools import HealthConfig
+from router.backends.routing import RoutingConfig
 from router.metrics import RouterMetrics
-from router.pools import HealthConfig
-from router.server import RouterServer, serve
+from router.server import RouterServer
 
 log = logging.getLogger(__name__)
 
@@ -153,17 +154,18 @@ class Cluster:
                 metrics=self.metrics,
             )
             self._serve_metrics()
-            self.server = serve(
+            # the protocols, mounted one by one: epcluster.v1 always, vLLM's engine protocol
+            # for gateways, OpenAI HTTP when it has a port
+            self.server = RouterServer(
                 self.backend,
                 c.host,
                 c.port,
                 admission=AdmissionConfig(c.max_queued_requests, c.max_queued_tokens),
                 ready_wait_s=c.recovery_wait_s,
                 metrics=self.metrics,
-                model_name=c.model,
-                checkpoint=path,
                 security=server_security(c),
             )
+            self.server.serve_vllm(c.model, path).start()
             if c.http_port is not None:
                 port = self.server.serve_http(
                     c.http_port, c.model, self.metrics.registry, chat_template(path)

@@ -225,6 +225,11 @@ class RankStatus:
     metrics_endpoint: str = ""  # host:port of the rank's Prometheus /metrics
     rebalance: RebalanceStatus | None = None  # expert-parallel ranks only
 
+    @classmethod
+    def down(cls, pool: str, rank: int) -> "RankStatus":
+        """A rank with no status to show (not ready, nothing held): unknown, or not answering."""
+        return cls(pool, rank, False, 0, 0, 0, 0)
+
     @property
     def kv_usage(self) -> float:
         return self.kv_used_blocks / max(self.kv_total_blocks, 1)

@@ -276,7 +276,7 @@ class Rank(abc.ABC):
     def status(self) -> RankStatus:
         c, e = self.config, self.engine
         if e is None or self.loop is None:
-            return RankStatus(c.pool, c.rank, False, 0, 0, 0, 0)
+            return RankStatus.down(c.pool, c.rank)
         status = e.rank_status(c.pool, c.rank, self.ready())
         status.num_steps = self.loop.num_steps
         status.stalled_s = self.loop.stalled_s()

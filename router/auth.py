@@ -1,13 +1,13 @@
 """Security for the router's ports: TLS (a server certificate, and mutual TLS when a client CA is
 given) and bearer tokens (`authorization: Bearer <token>`, the scheme case-insensitive, the token
 compared in constant time), on the server and in the clients. One ServerSecurity serves the gRPC
-port, the OpenAI HTTP port (router/http_auth.py) and the router's metrics port. All off by
+port, the OpenAI HTTP port (router/api/http_auth.py) and the router's metrics port. All off by
 default; the default router listens on loopback only, and the cluster config refuses another host
 without a token or mutual TLS (allow_insecure_bind).
 
 Two tokens: the client token lets a caller generate and read status; the admin token (which is
 also a client token) is needed for the calls that change the cluster for everyone (ADMIN_METHODS:
-Rebalance; and vLLM Abort of a request another caller started, router/vllm_grpc.py). When a
+Rebalance; and vLLM Abort of a request another caller started, router/api/vllm_grpc.py). When a
 client token is set and no admin token, admin calls are refused. A router with no token at all
 trusts every caller it accepts (loopback, or the holders of a certificate the client CA signed).
 
@@ -20,12 +20,17 @@ import ipaddress
 import logging
 import ssl
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 log = logging.getLogger(__name__)
+
+Metadata = tuple[tuple[str, str], ...]
+Continuation = Callable[..., Any]  # a client interceptor's next step: (details, request) -> call
 
 HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 # Calls that change the cluster for every client. Read-only calls (GetClusterStatus,
@@ -200,7 +205,11 @@ class TokenCheck(grpc.aio.ServerInterceptor):
             return grpc.StatusCode.PERMISSION_DENIED, f"{name} is an admin call: {why}"
         return None
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         refusal = None if handler is None else self._refusal(details)
         if refusal is None:
@@ -298,7 +307,7 @@ def aio_channel(target: str, security: ClientSecurity | None) -> grpc.aio.Channe
     return grpc.aio.insecure_channel(target, interceptors=interceptors)
 
 
-def _with(details, metadata):
+def _with(details: grpc.ClientCallDetails, metadata: Metadata) -> grpc.ClientCallDetails:
     return details._replace(metadata=tuple(details.metadata or ()) + metadata)
 
 
@@ -306,10 +315,14 @@ class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.metadata = metadata
 
-    def intercept_unary_unary(self, continuation, details, request):
+    def intercept_unary_unary(
+        self, continuation: Continuation, details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(_with(details, self.metadata), request)
 
-    def intercept_unary_stream(self, continuation, details, request):
+    def intercept_unary_stream(
+        self, continuation: Continuation, details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(_with(details, self.metadata), request)
 
 
@@ -317,7 +330,7 @@ class _AioTokenMixin:
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.metadata = metadata
 
-    def _with(self, details):
+    def _with(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         # NOTE: grpc.aio wants a Metadata object here.
         pairs = tuple(details.metadata or ()) + self.metadata
         return details._replace(metadata=grpc.aio.Metadata(*pairs))
@@ -326,10 +339,14 @@ class _AioTokenMixin:
 # NOTE: one class per call kind: a grpc.aio channel files an interceptor under the first kind
 # it is an instance of, so one class of both kinds would never see streaming calls.
 class _AioUnaryToken(_AioTokenMixin, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
+    async def intercept_unary_unary(
+        self, continuation: Continuation, details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         return await continuation(self._with(details), request)
 
 
 class _AioStreamToken(_AioTokenMixin, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
+    async def intercept_unary_stream(
+        self, continuation: Continuation, details: grpc.aio.ClientCallDetails, request: Any
+    ) -> Any:
         return await continuation(self._with(details), request)

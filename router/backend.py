@@ -1,5 +1,5 @@
 """What the gRPC server needs from whatever generates tokens: one engine in this process
-(router.local_backend.LocalBackend) or the prefill and decode pools on Ray (cluster/).
+(router.backends.local.LocalBackend) or the prefill and decode pools on Ray (cluster/).
 
 The server validates and tokenizes every request, resolves its seed and deadline, and admits it
 before calling `generate`; a backend never sees a request the router has refused.

@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.messages import ClusterStatus, ModelInfo, PoolLoad, RebalanceStatus, RequestOutput
 from engine.sampling_params import SamplingParams
-from router import auth, convert
+from router import auth
+from router.api import convert
 from router.auth import ClientSecurity
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc

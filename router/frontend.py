@@ -65,7 +65,13 @@ class Frontend:
         self.in_flight: set[str] = set()  # request ids with an open stream on this router
         self.cleaning = 0  # streams that ended and are still aborting their request
 
-    def refuse(self, status: str, message: str, admission: str | None = None, retry=None):
+    def refuse(
+        self,
+        status: str,
+        message: str,
+        admission: str | None = None,
+        retry: float | None = None,
+    ) -> Refused:
         """Count a refusal before the request started, and return the exception to raise."""
         if self.metrics is not None:
             self.metrics.refused(status, admission)
@@ -79,10 +85,8 @@ class Frontend:
         backend fails. Close the iterator (contextlib.aclosing) to end the request early."""
         start = time.monotonic() if start is None else start
         if self.draining:
-            raise self.refuse(
-                UNAVAILABLE, "this router is shutting down: retry (on another router)",
-                "draining", retry=1.0,
-            )  # fmt: skip
+            why = "this router is shutting down: retry (on another router)"
+            raise self.refuse(UNAVAILABLE, why, "draining", retry=1.0)
         if req.request_id in self.in_flight:
             raise self.refuse(
                 INVALID, f"request_id {req.request_id!r} is already in flight: use a unique id"

@@ -7,6 +7,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -42,7 +43,7 @@ class RouterMetrics:
                 self.child(spec.name, *combo)
         self.child("epcluster_build_info", *build_info()).set(1)
 
-    def child(self, name: str, *labels: str):
+    def child(self, name: str, *labels: str) -> Any:  # a labelled Counter, Gauge or Histogram
         """The series of `name` with these label values (model_name and pool are added)."""
         return self._m[name].labels(self.model_name, "router", *labels)
 

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP fuzz (tests/router/test_fuzz_openai.py's bodies) against a real local Ray
+"""The OpenAI HTTP fuzz (tests/router/api/test_fuzz_openai.py's bodies) against a real local Ray
 cluster, 2 prefill + 2 decode ranks: 150 derandomized bodies, each ending in 200 (checked) or a
 4xx, never a 5xx; after each, no rank holds a block, a reservation or a request; at the end
 neither pool has re-formed (a poison value that reached a rank's tensors re-formed its pool up to
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 
 from router.client import InferenceClient
 from tests.cluster.conftest import start_cluster, wait_quiet
-from tests.router.test_fuzz_openai import cases, check_ok, post
+from tests.router.api.test_fuzz_openai import cases, check_ok, post
 
 pytestmark = pytest.mark.slow
 

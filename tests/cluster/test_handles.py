@@ -9,7 +9,7 @@ from ray.exceptions import RayTaskError
 from cluster.handles import RankHandle
 from engine.messages import RankStopped
 from prefill_workers.worker import PrefillAborted
-from router.pools import RankFailed
+from router.backends.pools import RankFailed
 
 
 def call_raising(error: BaseException):

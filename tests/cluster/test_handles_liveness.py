@@ -13,7 +13,7 @@ from ray.exceptions import ActorDiedError, ObjectLostError, RayTaskError
 from cluster.config import ClusterConfig, ConfigError
 from cluster.handles import CONTROL, DecodeHandle
 from engine.kv_transfer import KVTransferError
-from router.pools import RankCallFailed, RankFailed
+from router.backends.pools import RankCallFailed, RankFailed
 
 
 class Method:

@@ -10,7 +10,7 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from router.metrics import RouterMetrics
-from tests.router.test_http_security import NO_RESPONSE, context, raw
+from tests.router.api.test_http_security import NO_RESPONSE, context, raw
 from tests.router.test_security import TOKEN, write_pki
 
 RANK_TARGET = {"targets": ["10.0.0.7:9401"], "labels": {"pool": "decode", "rank": "0"}}

@@ -9,7 +9,8 @@ import yaml
 
 from cluster.config import ClusterConfig, PoolConfig
 from moe.presets import preset_names
-from router.server import LIVENESS_SERVICE, SERVICE_NAME
+from router.api.v1_grpc import SERVICE_NAME
+from router.server import LIVENESS_SERVICE
 from tests.deploy.conftest import REPO, ports
 
 # Fields the router config will have (being implemented beside these manifests: the interface

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine
-from router.local_backend import LocalBackend
+from router.backends.local import LocalBackend
 
 KV_CACHE_BYTES = 8 << 20  # a few thousand 4-token blocks: small, and usage visibly moves
 FUZZ_CASES: dict[str, collections.Counter] = {}  # fuzz test -> outcome -> cases run

@@ -1,4 +1,4 @@
-"""Admin calls behind the admin token (router/auth.py ADMIN_METHODS, router/abort_scope.py):
+"""Admin calls behind the admin token (router/auth.py ADMIN_METHODS, router/api/abort_scope.py):
 Rebalance gets PERMISSION_DENIED with the client token, UNAUTHENTICATED with none, and is refused
 when the router has no admin token; read-only status stays on the client token; the CLI sends
 the admin token (flag or environment). vLLM Abort of a request another caller started (another
@@ -14,15 +14,18 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
 
 from engine import SamplingParams
 from moe import resolve_model_path
-from router import convert
+from router.api import convert
 from router.auth import ClientSecurity, ServerSecurity
 from router.backend import Unavailable
+from router.backends.cluster_admin import ClusterAdmin
+from router.backends.pools import RankCallFailed, RankFailed
+from router.backends.route_table import RouteTable
+from router.backends.routing import RoutingConfig
 from router.client import InferenceClient
-from router.cluster_admin import ClusterAdmin
-from router.pools import RankCallFailed, RankFailed
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
-from router.server import serve
+from router.server import RouterServer
+from tests.router.backends.test_cluster_backend import INFO
 from tests.router.conftest import wait_idle
 from tests.router.test_security import ADMIN_TOKEN, TOKEN, start, tokens, write_pki
 
@@ -140,10 +143,8 @@ def test_vllm_abort_of_another_callers_request_needs_the_admin_token(backend, pk
     security = ServerSecurity.from_files(
         token_file=pki["token"], admin_token_file=pki["admin_token"]
     )
-    server = serve(
-        backend, port=0, security=security, model_name="tiny-random",
-        checkpoint=resolve_model_path("tiny-random"),
-    )  # fmt: skip
+    server = RouterServer(backend, port=0, security=security)
+    server.serve_vllm("tiny-random", resolve_model_path("tiny-random")).start()
     assert server.wait_ready(10)
     md = (("authorization", f"Bearer {TOKEN}"),)
     options = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own
@@ -210,9 +211,8 @@ class _Pool:
 
 def _admin(fail: Exception):
     """A ClusterAdmin whose decode rank 1 fails every call with `fail`."""
-    admin = ClusterAdmin()
-    admin.pools = {"prefill": _Pool([_Rank(fail)]), "decode": _Pool([_Rank(fail), _Rank(fail)])}
-    return admin
+    pools = {"prefill": _Pool([_Rank(fail)]), "decode": _Pool([_Rank(fail), _Rank(fail)])}
+    return ClusterAdmin(pools, RoutingConfig(), INFO, RouteTable(1, 2, 4, 8))
 
 
 @pytest.mark.parametrize("error", [RankFailed, RankCallFailed])

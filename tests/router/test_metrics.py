@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
 from router.admission import AdmissionConfig
+from router.backends.local import LocalBackend
 from router.client import InferenceClient
-from router.local_backend import LocalBackend
 from router.metrics import RouterMetrics
 from router.proto import epcluster_pb2 as pb
 from router.server import serve

@@ -16,8 +16,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from engine import SamplingParams
 from router.admission import AdmissionConfig
+from router.backends.local import LocalBackend
 from router.client import AsyncInferenceClient, InferenceClient
-from router.local_backend import LocalBackend
 from router.proto import epcluster_pb2 as pb
 from router.server import serve
 from tests.router.conftest import make_engine, on_engine, wait_idle
