@@ -43,8 +43,11 @@ def serve_main(num_prefill: int, num_decode: int, waiters: int, call_s: float) -
     from engine.messages import ModelInfo, RankStatus
     from engine.tokenizer import Tokenizer
     from router.admission import AdmissionConfig
-    from router.backends.cluster import ClusterBackend
-    from router.backends.routing import RoutingConfig
+    try:
+        from router.backends.cluster import ClusterBackend
+        from router.backends.routing import RoutingConfig
+    except ImportError:  # NOTE: the BEFORE revision's layout (router/ before its two wings)
+        from router.cluster_backend import ClusterBackend, RoutingConfig
     from router.server import serve
 
     counts = {"status": 0, "reserve": 0, "other": 0}
