@@ -43,6 +43,7 @@ def serve_main(num_prefill: int, num_decode: int, waiters: int, call_s: float) -
     from engine.messages import ModelInfo, RankStatus
     from engine.tokenizer import Tokenizer
     from router.admission import AdmissionConfig
+
     try:
         from router.backends.cluster import ClusterBackend
         from router.backends.routing import RoutingConfig
@@ -320,11 +321,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="16+16,2+2", help="prefill+decode ranks, comma-separated")
     ap.add_argument("--before", default=None, help="the revision with the polling waiters")
     args = ap.parse_args()
-    # the commit whose _reserve stopped calling poll_once; its parent still did
-    before = args.before or git(
-        "log", "-S", "await self.pools.poll_once()", "--format=%H^", "-1", "--",
-        "router/backends/cluster.py",
-    ).strip()  # fmt: skip
+    # 6339fee: the last commit whose waiters called poll_once (its child 5bf793f removed it)
+    before = args.before or "6339feee3a1095984f6aa0fbc802d90aa8713ab7"
     before_sha = git("rev-parse", before).strip()
     tree = Path(tempfile.mkdtemp(prefix="router-waiters-before-"))
     git("worktree", "add", "--detach", str(tree), before_sha)
