@@ -163,14 +163,51 @@ def make_plan(
             dep.price_per_gpu_hour,
         )
     p, d = dep.prefill, dep.decode
-    seqs = max(1, round(p.size / (work.prompt_mean * (1 - work.prefix_hit))))
-    context = work.prompt_mean + work.output_mean / 2
     return Plan(
         dep, work,
         costs.memory(p.ep, p.size, work.prompt_mean),
         costs.memory(d.ep, d.size, d.size * (work.prompt_mean + work.output_mean)),
-        costs.prefill_cost(p.ep, p.size, seqs, work.prompt_mean * work.prefix_hit),
-        costs.decode_cost(d.ep, d.size, context),
+        *_mean_steps(costs, work, p.ep, p.size, d.ep, d.size),
+        sim, slo_ttft, slo_tpot, samples,
+    )  # fmt: skip
+
+
+def _mean_steps(
+    costs: ModelCosts, work: Workload, p_ep: int, chunk: int, d_ep: int, batch: int
+) -> tuple[StepCost, StepCost]:
+    """A prefill step of `chunk` new positions of mean prompts, a decode step of `batch`
+    requests at the mean context."""
+    seqs = max(1, round(chunk / (work.prompt_mean * (1 - work.prefix_hit))))
+    return (
+        costs.prefill_cost(p_ep, chunk, seqs, work.prompt_mean * work.prefix_hit),
+        costs.decode_cost(d_ep, batch, work.prompt_mean + work.output_mean / 2),
+    )
+
+
+def predict_fixed(
+    costs: ModelCosts,
+    work: Workload,
+    prefill_ranks: int,
+    decode_ranks: int,
+    slo_ttft: float,
+    slo_tpot: float,
+    chunk: int = 512,
+    batch: int = 64,
+    samples: int = 5000,
+) -> Plan:
+    """A given deployment (one unit of each pool, `costs.gpus_per_node` ranks a node), simulated
+    at the workload's rate without search or added units: what a benchmark of it should see."""
+    g = costs.gpus_per_node
+    if prefill_ranks % g or decode_ranks % g:
+        raise ValueError(f"{prefill_ranks} and {decode_ranks} ranks must fill nodes of {g}")
+    p_step, d_step = _mean_steps(costs, work, prefill_ranks, chunk, decode_ranks, batch)
+    per_gpu = chunk / p_step.time_s / (1 - work.prefix_hit)
+    p = PoolChoice(prefill_ranks // g, 1, chunk, p_step.time_s, per_gpu, 0.0, g)
+    d = PoolChoice(decode_ranks // g, 1, batch, d_step.time_s, batch / d_step.time_s, 0.0, g)
+    dep = Deployment(p, d, costs.price_per_gpu_hour)
+    sim = _simulate(costs, dep, work, work.sample(samples), 0)
+    return Plan(
+        dep, work, costs.memory(p.ep, chunk), costs.memory(d.ep, batch), p_step, d_step,
         sim, slo_ttft, slo_tpot, samples,
     )  # fmt: skip
 
