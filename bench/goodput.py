@@ -35,13 +35,17 @@ def guidellm_command(args: argparse.Namespace, load: float, out: Path, tokenizer
     )
     data = (
         f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}"
-        f",prompt_tokens_stdev={args.stdev},output_tokens_stdev={args.stdev}"
-        f",prefix_tokens={args.prefix_tokens}"
     )
+    if args.stdev:  # guidellm refuses a zero spread or prefix: leave them out
+        data += f",prompt_tokens_stdev={args.stdev},output_tokens_stdev={args.stdev}"
+    if args.prefix_tokens:
+        data += f",prefix_tokens={args.prefix_tokens}"
     exe = Path(sys.executable).with_name("guidellm")
     return [
         str(exe), "run",
-        "--backend", f"kind=openai_http,target={args.target},model={args.model}",
+        # plain completions: the prompt's tokens are the ones sent (no chat template around them)
+        "--backend", f"kind=openai_http,target={args.target},model={args.model},"
+        "request_format=/v1/completions",
         "--profile", profile,
         "--constraint", f"kind=max_requests,count={args.requests}",
         "--data", data,
