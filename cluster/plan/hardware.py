@@ -121,15 +121,15 @@ CATALOG: dict[str, Hardware] = {
     "B200": Hardware(
         name="B200",
         memory_bytes=180 * GB,
-        memory_bw=8.0 * TB,
+        memory_bw=7.7 * TB,
         flops={"fp32": 75 * TFLOP, "bf16": 2250 * TFLOP, "fp8": 4500 * TFLOP},
         intra_node_bw=900 * GB,
         inter_node_bw=50 * GB,
         price_per_hour=6.03,
         sources={
-            "memory": "NVIDIA DGX/HGX B200 datasheet: 1,440 GB HBM3e per 8 GPUs, 8 TB/s each",
-            "flops": "NVIDIA HGX B200 datasheet: FP8 4.5 PF, BF16 2.25 PF dense per GPU; "
-            "FP32 75 TF (HGX B200 spec table)",
+            "memory": "NVIDIA HGX B200 spec table (per GPU): 180 GB HBM3e, 7.7 TB/s",
+            "flops": "NVIDIA HGX B200 spec table (per GPU): FP8 9 PF and BF16 4.5 PF with "
+            "sparsity (4.5 and 2.25 dense), FP32 75 TF",
             "links": "NVLink 5: 1.8 TB/s per GPU both directions; DGX B200 has one 400 Gb/s "
             "ConnectX-7 per GPU: 50 GB/s",
             "price": "Spheron on-demand B200 $6.03/GPU-hour (17 Mar 2026); " + _PRICE_NOTE,
