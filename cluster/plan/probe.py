@@ -1,4 +1,4 @@
-"""This machine, measured: read bandwidth (a sum over 256 MiB of fp32), the fp32 peak (a 2048^3
+"""This machine, measured: read bandwidth (a sum over 256 MiB of fp32), the fp32 peak (a 1536^3
 matmul) and the all-to-all bandwidth between 2 local processes over gloo (what the CPU cluster's
 EP pools use), in a few seconds, cached in <cache>/probe.json (EPCLUSTER_CACHE, else
 ~/.cache/epcluster). The numbers are what kernels reach, so the CPU entry's efficiency is 1.
@@ -38,9 +38,9 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / _best(lambda: x.sum())
 
 
-def fp32_peak() -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / _best(lambda: a @ b)
+def fp32_peak(n: int = 1536) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _best(lambda: a @ b, repeats=3)
 
 
 def _all_to_all_worker(rank: int, port: int, out: str) -> None:
