@@ -53,10 +53,16 @@ def build_plan(args: argparse.Namespace) -> Plan:
         grid = Grid(
             (1, 2), (1, 2), (128, 256, 512, 1024), (1, 2, 4, 8, 16, 32, 64), grid.gpus_per_node
         )
+    # NOTE: a given pool that cannot fit even its smallest step is refused with the memory
+    # plan's numbers (MemoryPlanError), before any search
     if args.prefill_nodes:
         grid = replace(grid, prefill_nodes=(args.prefill_nodes,))
+        costs.memory(args.prefill_nodes * grid.gpus_per_node, min(grid.chunks), work.prompt_mean)
     if args.decode_nodes:
         grid = replace(grid, decode_nodes=(args.decode_nodes,))
+        batch = min(grid.batches)
+        context = batch * (work.prompt_mean + work.output_mean)
+        costs.memory(args.decode_nodes * grid.gpus_per_node, batch, context)
     return make_plan(costs, work, args.slo_ttft, args.slo_tpot, grid, samples=args.samples)
 
 

@@ -41,7 +41,12 @@ def test_table_with_given_nodes(capsys):
 def test_refuses_what_cannot_fit(capsys):
     args = ["plan", "--model", "deepseek-v3", "--gpu", "H100", "--workload", "deepseek-v3-day"]
     assert main([*args, "--dtype", "bf16", "--decode-nodes", "1", "--prefill-nodes", "1"]) == 2
-    assert "no prefill configuration" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the memory plan's numbers: 288 slots / 8 ranks, 58 layers
+    assert "deepseek-v3 bf16 EP8 (+32 redundant) does not fit a 74.5 GiB GPU" in err
+    assert f"+ experts {36 * 58 * 3 * 7168 * 2048 * 2 / 2**30:.1f})" in err
+    # no node counts: the search says that nothing of its grid fits
+    assert main([*args, "--dtype", "bf16", "--slo-tpot", "0.001"]) == 2
+    assert "no decode configuration" in capsys.readouterr().err
 
 
 def test_workload_files(tmp_path):
