@@ -87,13 +87,15 @@ def summarise(report: dict, slo_ttft: float, slo_tpot: float) -> dict:
 def predict(args: argparse.Namespace, load: float) -> dict:
     """The plan's prediction for the same deployment (prefill,decode ranks on this CPU) and an
     open-loop load (closed loop: the rate the measured run reached is not known beforehand)."""
-    from cluster.plan.hardware import get_hardware
     from cluster.plan.models import load_model
     from cluster.plan.planner import ModelCosts, predict_fixed
+    from cluster.plan.probe import cpu_hardware
     from cluster.plan.workload import Workload
 
     prefill, decode = (int(x) for x in args.plan.split(","))
-    costs = ModelCosts(load_model(args.model), get_hardware("cpu"), 1, "fp32", "fp32")
+    # assumption: every rank busy at once, the machine's cores and bandwidth shared evenly
+    share = min(1.0, (os.cpu_count() or 1) / (prefill + decode))
+    costs = ModelCosts(load_model(args.model), cpu_hardware(share=share), 1, "fp32", "fp32")
     hit = args.prefix_tokens / (args.prefix_tokens + args.prompt_tokens)
     work = Workload("bench", load, args.prompt_tokens + args.prefix_tokens, args.output_tokens, hit)
     plan = predict_fixed(costs, work, prefill, decode, args.slo_ttft, args.slo_tpot)

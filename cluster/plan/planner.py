@@ -191,8 +191,8 @@ def predict_fixed(
     decode_ranks: int,
     slo_ttft: float,
     slo_tpot: float,
-    chunk: int = 512,
-    batch: int = 64,
+    chunk: int = 2048,  # the engine's max_num_batched_tokens (engine/config.py)
+    batch: int = 64,  # the engine's max_num_seqs
     samples: int = 5000,
 ) -> Plan:
     """A given deployment (one unit of each pool, `costs.gpus_per_node` ranks a node), simulated

@@ -94,15 +94,19 @@ def probe(refresh: bool = False) -> dict[str, float]:
     return result
 
 
-def cpu_hardware(refresh: bool = False) -> Hardware:
+def cpu_hardware(refresh: bool = False, share: float = 1.0) -> Hardware:
+    """This machine as one rank's device; `share` (0, 1]: the part of its cores and memory
+    bandwidth one rank gets when several ranks run on it at once (e.g. cores / ranks)."""
     import psutil
 
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1] (got {share})")
     m = probe(refresh)
-    flops = m["fp32_flops"]
+    flops = m["fp32_flops"] * share
     return Hardware(
         name="cpu",
-        memory_bytes=float(psutil.virtual_memory().total),
-        memory_bw=m["read_bw"],
+        memory_bytes=float(psutil.virtual_memory().total) * share,
+        memory_bw=m["read_bw"] * share,
         flops={"fp32": flops, "bf16": flops, "fp8": flops},  # no faster low-precision path
         intra_node_bw=m["all_to_all_bw"],
         inter_node_bw=m["all_to_all_bw"],
