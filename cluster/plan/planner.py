@@ -4,12 +4,15 @@ report prints."""
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from cluster.plan.cost import StepCost, Unit, decode_step, kv_transfer_s, prefill_step
 from cluster.plan.hardware import Hardware
 from cluster.plan.memory import MemoryPlan, MemoryPlanError, plan_memory
 from cluster.plan.models import PlanModel
+from cluster.plan.routing import eplb_imbalance
 from cluster.plan.search import Deployment, Grid, PoolChoice, search
 from cluster.plan.simulate import SimConfig, SimResult, goodput_fraction, percentile, simulate
 from cluster.plan.workload import Workload
@@ -37,6 +40,10 @@ class ModelCosts:
     weight_dtype: str = "fp8"
     kv_dtype: str = "bf16"
     two_batch_overlap: bool = True
+    # [L, E] tokens per expert (routing.py): the EPLB imbalance of each EP size comes from it;
+    # None: Unit's assumed 1.05
+    expert_tokens: torch.Tensor | None = None
+    _imbalance: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def price_per_gpu_hour(self) -> float:
@@ -44,11 +51,23 @@ class ModelCosts:
 
     def unit(self, ep: int) -> Unit:
         act = "fp32" if self.weight_dtype == "fp32" else None
+        redundant = redundant_experts(self.model.config.n_routed_experts, ep)
         return Unit(
-            ep, self.gpus_per_node, redundant_experts(self.model.config.n_routed_experts, ep),
-            self.weight_dtype, self.kv_dtype, act or "fp8", act or "bf16",
-            two_batch_overlap=self.two_batch_overlap,
+            ep, self.gpus_per_node, redundant, self.weight_dtype, self.kv_dtype,
+            act or "fp8", act or "bf16", two_batch_overlap=self.two_batch_overlap,
+            **({} if self.expert_tokens is None else {"imbalance": self.imbalance(ep)}),
         )  # fmt: skip
+
+    def imbalance(self, ep: int) -> float:
+        """max / mean rank load of EP size `ep` under the given routing statistics (cached:
+        EPLB's placement takes about a second for DeepSeek-V3's 58 x 256)."""
+        assert self.expert_tokens is not None
+        if ep not in self._imbalance:
+            c = self.model.config
+            redundant = redundant_experts(c.n_routed_experts, ep)
+            ratio = eplb_imbalance(self.expert_tokens, ep, redundant, c.n_group, self.gpus_per_node)
+            self._imbalance[ep] = max(1.0, ratio)
+        return self._imbalance[ep]
 
     def prefill_cost(self, ep: int, tokens: int, seqs: int, cached: float) -> StepCost:
         return prefill_step(self.model, self.hw, self.unit(ep), tokens, seqs, cached)

@@ -10,6 +10,7 @@ from cluster.plan.hardware import get_hardware
 from cluster.plan.memory import GIB, MemoryPlan
 from cluster.plan.models import load_model, model_names
 from cluster.plan.planner import ModelCosts, Plan, make_plan
+from cluster.plan.routing import load_expert_tokens
 from cluster.plan.search import Grid
 from cluster.plan.workload import BUILTIN, load_workload
 
@@ -33,6 +34,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--decode-nodes", type=int, help="nodes per decode unit")
     plan.add_argument("--dtype", choices=["fp8", "bf16", "fp32"], help="weights (GPU: fp8)")
     plan.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], help="KV (GPU: bf16)")
+    plan.add_argument(
+        "--expert-load",
+        metavar="JSON",
+        help='routing statistics, {"tokens_per_expert": [[...], ...]} per MoE layer: the EPLB '
+        "imbalance of each EP size comes from them (default: an assumed 1.05)",
+    )
     plan.add_argument("--samples", type=int, default=20000, help="requests simulated")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=run_plan)
@@ -41,9 +48,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def build_plan(args: argparse.Namespace) -> Plan:
     hw = get_hardware(args.gpu)
     cpu = hw.name == "cpu"
+    model = load_model(args.model)
+    tokens = None
+    if args.expert_load:
+        tokens = load_expert_tokens(args.expert_load, model.config.n_routed_experts)
     costs = ModelCosts(
-        load_model(args.model), hw, args.gpus_per_node,
+        model, hw, args.gpus_per_node,
         args.dtype or ("fp32" if cpu else "fp8"), args.kv_dtype or ("fp32" if cpu else "bf16"),
+        expert_tokens=tokens,
     )  # fmt: skip
     work = load_workload(args.workload)
     if args.rate:
