@@ -15,7 +15,7 @@ from cluster.plan.models import PlanModel
 from cluster.plan.routing import eplb_imbalance
 from cluster.plan.search import Deployment, Grid, PoolChoice, search
 from cluster.plan.simulate import SimConfig, SimResult, goodput_fraction, percentile, simulate
-from cluster.plan.workload import Workload
+from cluster.plan.workload import Request, Workload
 
 REDUNDANT_SHARE = 1 / 8  # assumption: DeepSeek's 32 redundant of 256 experts
 SECONDS_PER_DAY = 86400
@@ -240,7 +240,7 @@ def _more(pick: PoolChoice) -> PoolChoice:
 
 
 def _simulate(
-    costs: ModelCosts, dep: Deployment, work: Workload, requests: list, seed: int
+    costs: ModelCosts, dep: Deployment, work: Workload, requests: list[Request], seed: int
 ) -> SimResult:
     p, d = dep.prefill, dep.decode
     kv_tokens = costs.memory(d.ep, d.size).kv_tokens

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ def cache_file() -> Path:
     return cache_root() / "probe.json"
 
 
-def _best(fn, repeats: int = 5) -> float:
+def _best(fn: Callable[[], object], repeats: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
