@@ -5,6 +5,7 @@ epcluster stop [--address HOST:PORT|auto] [--cluster-name NAME | --config FILE]
 epcluster generate --prompt TEXT [--target HOST:PORT | --model M] [sampling flags] [--json]
 epcluster status --target HOST:PORT [--expert-load PNG]
 epcluster rebalance --target HOST:PORT [--pool prefill|decode] [--save FILE]
+epcluster plan --model M --gpu G --workload W [--slo-ttft S --slo-tpot S] [--json]
 """
 
 import argparse
@@ -382,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     add_client_flags(status)
     status.set_defaults(func=cmd_status)
 
+    from cluster.plan.report import add_plan_parser
+
+    add_plan_parser(sub)  # epcluster plan (cluster/plan/, docs/planning.md)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:

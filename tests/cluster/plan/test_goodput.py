@@ -1,0 +1,45 @@
+"""bench/goodput.py's reading of guidellm's records, and the plan's prediction of a fixed
+deployment that it sets beside them."""
+
+import pytest
+
+from bench.goodput import summarise
+from cluster.plan.hardware import CATALOG
+from cluster.plan.models import load_model
+from cluster.plan.planner import ModelCosts, predict_fixed
+from cluster.plan.workload import Workload
+
+
+def _record(ttft_ms: float, itl_ms: float) -> dict:
+    return {
+        "time_to_first_token_ms": ttft_ms, "inter_token_latency_ms": itl_ms,
+        "request_latency": ttft_ms / 1000 + 9 * itl_ms / 1000,
+        "prompt_tokens": 100, "output_tokens": 10,
+    }  # fmt: skip
+
+
+def test_summarise_counts_goodput_against_both_slos():
+    done = [_record(100, 10), _record(300, 10), _record(100, 50), _record(150, 20)]
+    report = {"benchmarks": [{"duration": 2.0, "requests": {
+        "successful": done, "errored": [{}], "incomplete": []}}]}  # fmt: skip
+    s = summarise(report, slo_ttft=0.2, slo_tpot=0.03)
+    assert s["requests"] == 4 and s["failed"] == 1
+    assert s["goodput_rps"] == 2 / 2.0  # the first and the last meet both
+    assert s["throughput_rps"] == 2.0 and s["output_tokens_per_s"] == 20.0
+    assert s["ttft_p50_s"] == pytest.approx(0.125)
+    assert s["tpot_p50_s"] == pytest.approx(0.015)
+
+
+def test_predict_fixed_at_a_low_rate_is_one_step_per_token():
+    """At 0.01 requests/s every request finds both ranks idle: its TTFT is one prefill step of
+    its prompt, its TPOT a decode step of batch 1 (plus the KV transfer spread over the
+    tokens), as the cost model times them."""
+    costs = ModelCosts(load_model("small"), CATALOG["H100"], 1, "fp32", "fp32")
+    work = Workload("low", 0.01, 128, 33)
+    plan = predict_fixed(costs, work, 1, 1, slo_ttft=1.0, slo_tpot=1.0, samples=200)
+    s = plan.summary()
+    assert s["ttft_s"] == pytest.approx(costs.prefill_s(1, 128, 1, 0.0))
+    lo, hi = costs.decode_s(1, 1, 129.0), costs.decode_s(1, 1, 161.0)
+    assert lo <= s["tpot_s"] <= hi + 1e-3
+    assert s["prefill_nodes"] == 1 and s["decode_nodes"] == 1
+    assert s["goodput_rps"] == pytest.approx(0.01)
