@@ -1,5 +1,7 @@
-"""Prefill ranks: batch prompts under a token budget (chunked prefill), reuse cached prefix
-blocks, sample the first token, and hand the prompt's latent KV to a decode rank."""
+"""Prefill ranks: a shell over the engine of one rank. It takes prompts from the router, hands
+them to its engine (which batches them under a token budget, chunks long ones and reuses cached
+prefix blocks), and returns each request's first token with the prompt's latent KV for a decode
+rank."""
 
 from prefill_workers.worker import PrefillWorker
 
