@@ -20,7 +20,6 @@ agree bit for bit on a token's sum). The handles and CommStats live in moe/dispa
 """
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,9 +28,6 @@ from kernels.backend import use_cpu_kernel, use_triton
 from kernels.cpu import cpu_kernels
 from moe.dispatch_handles import CombineHandle, CommStats, DispatchHandle
 from moe.placement import Placement
-
-if TYPE_CHECKING:
-    from moe.model import DeepseekForCausalLM
 
 
 class LocalDispatcher:
@@ -85,7 +81,8 @@ class LocalDispatcher:
             missing = sorted(set(topk_idx.reshape(-1)[slots < 0].tolist()))
             raise RuntimeError(
                 f"tokens were routed to experts {missing} that this rank does not hold: a model "
-                "loaded with a subset of the experts needs install_expert_parallel"
+                "loaded with a subset of the experts needs "
+                "DeepseekForCausalLM.install_expert_parallel"
             )
         send_order = torch.argsort(slots, stable=True)  # [T * K]
         rows = x[send_order // top_k]  # [T * K, D]
@@ -241,32 +238,3 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     assert topk_idx.dtype == torch.int64, topk_idx.dtype
     assert topk_weights.shape == topk_idx.shape, (topk_weights.shape, topk_idx.shape)
     assert topk_idx.shape[0] == x.shape[0], (topk_idx.shape, x.shape)
-
-
-def install_expert_parallel(
-    model: "DeepseekForCausalLM",
-    group: dist.ProcessGroup | None,
-    placement: Placement,
-    rank: int,
-) -> dict[int, AllToAllDispatcher]:
-    """Give every MoE layer of `model` (loaded with experts=placement.rank_experts(rank)) an
-    AllToAllDispatcher over `group`. Returns model layer -> dispatcher."""
-    moe_layers = dict(zip(model.config.moe_layers, model.moe_layers(), strict=True))
-    if tuple(moe_layers) != placement.layers:
-        raise ValueError(
-            f"placement layers {placement.layers} != the model's MoE layers {tuple(moe_layers)}"
-        )
-    expected = placement.rank_experts(rank)
-    counts_group = None
-    if dist.is_initialized():  # every rank of the pool gets here once, in the same order
-        counts_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
-    dispatchers = {}
-    for pos, (layer, moe) in enumerate(moe_layers.items()):
-        if moe.experts.expert_ids != expected[layer]:
-            raise ValueError(
-                f"layer {layer}: rank {rank} holds experts {moe.experts.expert_ids}, "
-                f"the placement puts {expected[layer]} there"
-            )
-        moe.dispatcher = AllToAllDispatcher(group, placement, pos, rank, counts_group)
-        dispatchers[layer] = moe.dispatcher
-    return dispatchers

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kernels import hugepages
@@ -21,10 +22,12 @@ from kernels.linear import Linear, panels
 from kernels.rotary import rope_cos_sin
 from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
-from moe.dispatch import CommStats
+from moe.dispatch import AllToAllDispatcher, CommStats
 from moe.fused_decode import FusedDecode
-from moe.layers import MLP, MoE, RMSNorm
+from moe.layers import MLP, MoE
+from moe.norm import RMSNorm
 from moe.overlap import Stages, run_to_end
+from moe.placement import Placement
 from moe.rope import rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -143,6 +146,31 @@ class DeepseekForCausalLM(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def install_expert_parallel(
+        self, group: dist.ProcessGroup | None, placement: Placement, rank: int
+    ) -> dict[int, AllToAllDispatcher]:
+        """Give every MoE layer (loaded with experts=placement.rank_experts(rank)) an
+        AllToAllDispatcher over `group`. Returns model layer -> dispatcher."""
+        moe_layers = dict(zip(self.config.moe_layers, self.moe_layers(), strict=True))
+        if tuple(moe_layers) != placement.layers:
+            raise ValueError(
+                f"placement layers {placement.layers} != the model's MoE layers {tuple(moe_layers)}"
+            )
+        expected = placement.rank_experts(rank)
+        counts_group = None
+        if dist.is_initialized():  # every rank of the pool gets here once, in the same order
+            counts_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        dispatchers = {}
+        for pos, (layer, moe) in enumerate(moe_layers.items()):
+            if moe.experts.expert_ids != expected[layer]:
+                raise ValueError(
+                    f"layer {layer}: rank {rank} holds experts {moe.experts.expert_ids}, "
+                    f"the placement puts {expected[layer]} there"
+                )
+            moe.dispatcher = AllToAllDispatcher(group, placement, pos, rank, counts_group)
+            dispatchers[layer] = moe.dispatcher
+        return dispatchers
 
     def share_comm_stats(self) -> CommStats:
         """One CommStats for every MoE layer's dispatcher (call after the dispatchers are
