@@ -43,12 +43,12 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 def peak_flops(repeats: int = 5) -> float:
     """fp32 multiply-add FLOP/s: the best of MKL's sgemm on 2048^3 and the compiled kernels
-    (kernels/cpu.py) on weights that stay in cache: the dot tiles at 96 rows x 3 MB, the panel
+    (kernels/cpu/build.py) on weights that stay in cache: the dot tiles at 96 rows x 3 MB, the panel
     tiles (what the dense projections take) at 32, 96 and 256 rows x 1.5 MB."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
     best = 2 * 2048**3 / min(_timed(lambda: a @ b) for _ in range(repeats))
-    from kernels.cpu import cpu_kernels
+    from kernels.cpu.build import cpu_kernels
 
     kernel = cpu_kernels()
     if kernel is not None:

@@ -30,8 +30,13 @@ from engine.config import EngineConfig
 from engine.messages import RebalanceStatus
 from engine.rank_metrics import RankStats
 from moe.dispatch import AllToAllDispatcher
-from moe.eplb import gpu_loads, rebalance_experts
-from moe.eplb_moves import align_placement, count_moves, rebalance_experts_with_moves
+from moe.eplb import (
+    align_placement,
+    count_moves,
+    gpu_loads,
+    rebalance_experts,
+    rebalance_experts_with_moves,
+)
 from moe.loader import read_expert
 from moe.model import DeepseekForCausalLM
 from moe.placement import Placement

@@ -14,7 +14,7 @@ from engine.messages import TokenLogprobs
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
 from engine.sampling_params import SamplingParams
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
 from moe.overlap import Stages, run_interleaved

@@ -14,7 +14,7 @@ import math
 import torch
 
 from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 
 def causal_attention(

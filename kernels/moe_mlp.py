@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 from kernels.fp8 import BLOCK as FP8_BLOCK
 from kernels.fp8 import dequantize_block_fp8
 from kernels.linear import linear, panels

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.backend import use_cpu_kernel, use_triton
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 from moe.dispatch_handles import CombineHandle, CommStats, DispatchHandle
 from moe.placement import Placement
 

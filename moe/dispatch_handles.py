@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.backend import use_cpu_kernel
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 
 @dataclass(slots=True)

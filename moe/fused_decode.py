@@ -1,4 +1,5 @@
-"""A decode step's decoder layers in one call each on CPU (kernels/cpu_decode.cpp DecodeLayer):
+"""A decode step's decoder layers in one call each on CPU (kernels/cpu/decode_layer.cpp
+DecodeLayer):
 the kernels of the Python layer code (moe/model.py DecoderLayer.stages), in its order, on the
 same tensors, so the numbers are bit for bit the same, without the ~2 ms of Python and torch
 glue a batch-1 step of `small` spent between its ~134 kernel calls.
@@ -15,7 +16,7 @@ MoE layer's dispatcher or expert weights change (the balancer swaps in new stora
 import torch
 
 from kernels.backend import use_cpu_kernel
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 from kernels.gate import SCORING_FUNCS, TOPK_METHODS
 from kernels.linear import panels
 from moe.attention import MLAttention, PagedKV

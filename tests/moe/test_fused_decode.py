@@ -5,7 +5,7 @@ step; and the steps it must leave to the Python layers."""
 import pytest
 import torch
 
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 from moe import load_model
 from moe.attention import PagedKV
 from moe.dispatch import CommStats, LocalDispatcher

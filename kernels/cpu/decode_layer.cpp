@@ -11,7 +11,7 @@
 
 #include <vector>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 namespace {
 
