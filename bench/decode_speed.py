@@ -100,12 +100,12 @@ def attention_cost(config, batch: int, itemsize: int, prompt: int = 128, output:
 
 def used_experts(model) -> list[int]:
     """The slots each MoE layer's dispatcher has counted any token for (since the last reset)."""
-    return [int((m.dispatcher.load > 0).sum()) for m in model.moe_layers()]
+    return [int((m.dispatcher.load.peek() > 0).sum()) for m in model.moe_layers()]
 
 
 def reset_load(model) -> None:
     for m in model.moe_layers():
-        m.dispatcher.load = None
+        m.dispatcher.load.take()
 
 
 def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int, window: int = 16) -> dict:
@@ -164,7 +164,7 @@ def batch_arguments(doc: str, default_name: str) -> argparse.Namespace:
     ap.add_argument(
         "--python-layers",
         action="store_true",
-        help="the Python decoder layers, not the fused ones (moe/fused_decode.py)",
+        help="the Python decoder layers, not the fused ones (engine/cpu_decode.py)",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -178,7 +178,8 @@ def decode_engine(model: str, python_layers: bool = False) -> LLMEngine:
         EngineConfig(model=model, max_num_seqs=64, max_num_batched_tokens=4096,
                      enable_prefix_caching=False)
     )  # fmt: skip
-    engine.model.fused_decode.enabled = not python_layers
+    if python_layers:
+        engine.runner.cpu_decode = None  # the runner's choice: the Python layers
     return engine
 
 

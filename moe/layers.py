@@ -99,12 +99,19 @@ class MoE(nn.Module):
         self.shared_experts = MLP(config.hidden_size, shared) if shared else None
         self.dispatcher: Dispatcher = LocalDispatcher(expert_ids, config.n_routed_experts)
 
-    def stages(self, x: torch.Tensor) -> Stages[torch.Tensor]:
+    def stages(
+        self, x: torch.Tensor, topk_out: list[torch.Tensor] | None = None
+    ) -> Stages[torch.Tensor]:
         """x [T, D] -> routed + shared output [T, D], yielding while the rows travel (after the
         dispatch starts, and after the combine starts). The shared expert runs while the
-        dispatch is in flight."""
+        dispatch is in flight. With topk_out, the routing topk_idx [T, K] is appended there and
+        the dispatcher counts no load (the caller counts it)."""
         topk_weights, topk_idx = self.gate(x)  # [T, K]
-        handle = self.dispatcher.dispatch(x, topk_idx, topk_weights, async_op=True)
+        if topk_out is not None:
+            topk_out.append(topk_idx)
+        handle = self.dispatcher.dispatch(
+            x, topk_idx, topk_weights, async_op=True, count_load=topk_out is None
+        )
         handle.launch_rows()  # another micro-batch's attention runs while the rows travel
         shared = self.shared_experts(x) if self.shared_experts is not None else None  # [T, D]
         yield
