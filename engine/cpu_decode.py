@@ -41,7 +41,7 @@ class FusedLayer:
 
 
 @dataclass(frozen=True, slots=True)
-class FusedLayers:
+class DecodeLayers:
     """Every decoder layer of a model, compiled: what ModelRunner passes as model.stages(fused=)."""
 
     layers: tuple[FusedLayer, ...]
@@ -73,7 +73,7 @@ class CpuDecode:
 
     def __init__(self, model: DeepseekForCausalLM) -> None:
         self.model = model
-        self.built: FusedLayers | None = None  # the layers last built (None: some cannot be)
+        self.built: DecodeLayers | None = None  # the layers last built (None: some cannot be)
         self._key: tuple | None = None
 
     def _state(self) -> tuple:
@@ -85,7 +85,7 @@ class CpuDecode:
             key.append(experts.w2.data_ptr())
         return tuple(key)
 
-    def layers(self, x: torch.Tensor, kv: PagedKV | None) -> FusedLayers | None:
+    def layers(self, x: torch.Tensor, kv: PagedKV | None) -> DecodeLayers | None:
         """The fused layers for a step whose hidden states have x's dtype and device over kv, or
         None (the Python layers run it)."""
         if kv is None or not kv.all_absorbed or not use_cpu_kernel(x):
@@ -97,7 +97,7 @@ class CpuDecode:
         return self.built
 
 
-def _build(model: DeepseekForCausalLM) -> FusedLayers | None:
+def _build(model: DeepseekForCausalLM) -> DecodeLayers | None:
     built = []
     for layer in model.model.layers:
         fused = _decode_layer(layer)
@@ -105,7 +105,7 @@ def _build(model: DeepseekForCausalLM) -> FusedLayers | None:
             return None
         moe = layer.mlp if isinstance(layer.mlp, MoE) else None
         built.append(FusedLayer(fused, moe, moe is None or fused.moe))
-    return FusedLayers(tuple(built))
+    return DecodeLayers(tuple(built))
 
 
 def _fp32(*tensors: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ import logging
 import torch
 
 from engine.request import Request
+from kernels.mla_attention import cache_slot
 from moe.attention import PagedKV
 from moe.dispatch import LocalDispatcher, slot_counts
 from moe.model import DeepseekForCausalLM
@@ -125,7 +126,7 @@ class DecodeGraphs:
             table = req.block_table
             ids.append(req.all_token_ids[p])
             positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+            slots.append(cache_slot(table, p, bs))
             lens.append(p + 1)
             tables.append(table + [self.pad_block] * (width - len(table)))
         pad = bucket - num

@@ -21,6 +21,7 @@ from engine.request import Request
 from engine.sampler import SampleOutput, sample
 from engine.sampling_params import SamplingParams
 from kernels.cpu.build import cpu_kernels
+from kernels.mla_attention import cache_slot
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
 from moe.overlap import Stages, run_interleaved
@@ -108,7 +109,7 @@ class ModelRunner:
             table = req.block_table
             ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(cache_slot(table, p, bs) for p in range(start, end))
             context_lens.append(end)
         width = max((len(req.block_table) for req in requests), default=0)
         block_tables = torch.tensor(
