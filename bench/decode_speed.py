@@ -43,12 +43,12 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 def peak_flops(repeats: int = 5) -> float:
     """fp32 multiply-add FLOP/s: the best of MKL's sgemm on 2048^3 and the compiled kernels
-    (kernels/cpu.py) on weights that stay in cache: the dot tiles at 96 rows x 3 MB, the panel
+    (kernels/cpu/build.py) on weights that stay in cache: the dot tiles at 96 rows x 3 MB, the panel
     tiles (what the dense projections take) at 32, 96 and 256 rows x 1.5 MB."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
     best = 2 * 2048**3 / min(_timed(lambda: a @ b) for _ in range(repeats))
-    from kernels.cpu import cpu_kernels
+    from kernels.cpu.build import cpu_kernels
 
     kernel = cpu_kernels()
     if kernel is not None:
@@ -100,12 +100,12 @@ def attention_cost(config, batch: int, itemsize: int, prompt: int = 128, output:
 
 def used_experts(model) -> list[int]:
     """The slots each MoE layer's dispatcher has counted any token for (since the last reset)."""
-    return [int((m.dispatcher.load > 0).sum()) for m in model.moe_layers()]
+    return [int((m.dispatcher.load.peek() > 0).sum()) for m in model.moe_layers()]
 
 
 def reset_load(model) -> None:
     for m in model.moe_layers():
-        m.dispatcher.load = None
+        m.dispatcher.load.take()
 
 
 def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int, window: int = 16) -> dict:
@@ -164,7 +164,7 @@ def batch_arguments(doc: str, default_name: str) -> argparse.Namespace:
     ap.add_argument(
         "--python-layers",
         action="store_true",
-        help="the Python decoder layers, not the fused ones (moe/fused_decode.py)",
+        help="the Python decoder layers, not the fused ones (engine/cpu_decode.py)",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -178,7 +178,8 @@ def decode_engine(model: str, python_layers: bool = False) -> LLMEngine:
         EngineConfig(model=model, max_num_seqs=64, max_num_batched_tokens=4096,
                      enable_prefix_caching=False)
     )  # fmt: skip
-    engine.model.fused_decode.enabled = not python_layers
+    if python_layers:
+        engine.runner.cpu_decode = None  # the runner's choice: the Python layers
     return engine
 
 

@@ -18,9 +18,14 @@ import time
 import torch
 
 from bench.common import RESULTS, record
-from moe.eplb import gpu_loads, rebalance_experts
-from moe.eplb_bound import lower_bound
-from moe.eplb_moves import align_placement, count_moves, rebalance_experts_with_moves
+from moe.eplb import (
+    align_placement,
+    count_moves,
+    gpu_loads,
+    rebalance_experts,
+    rebalance_experts_with_moves,
+)
+from moe.eplb.bound import lower_bound
 
 SHAPES = [  # (name, E, S, G, N, R)
     ("V3 prefill EP32, hierarchical", 256, 288, 8, 4, 32),

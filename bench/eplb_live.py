@@ -32,8 +32,9 @@ def rank_load(engine) -> list[float]:
     """Tokens this rank's dispatchers sent to each rank, summed over layers, since the reset."""
     total = torch.zeros(2)
     for m in engine.model.moe_layers():
-        if m.dispatcher.load is not None:
-            total += m.dispatcher.load.float().view(2, -1).sum(1)
+        load = m.dispatcher.load.peek()
+        if load is not None:
+            total += load.float().view(2, -1).sum(1)
     return total.tolist()
 
 
@@ -64,7 +65,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.requests.values()):
         engine.step()  # prefill: from here every step decodes the whole batch
     for m in engine.model.moe_layers():
-        m.dispatcher.load = None
+        m.dispatcher.load.take()
     steps, events, loads = [], {}, {}
     balancer = engine.balancer
     for step in range(args.steps):
@@ -80,7 +81,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         if balancer.last.number > number:
             events["planned"] = step
             for m in engine.model.moe_layers():
-                m.dispatcher.load = None
+                m.dispatcher.load.take()
         if moving and not balancer._moves:
             events["switched"] = step
             loads["after_start"] = step

@@ -47,7 +47,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bench_moe(shape: tuple, tokens: int, fp8: bool) -> dict:
     from kernels import moe_mlp
-    from moe.fp8 import quantize_block_fp8
+    from kernels.fp8 import quantize_block_fp8
 
     hidden, inter, slots, rows_per_token = shape[:4]
     rows = tokens * rows_per_token

@@ -1,5 +1,5 @@
 """Read bandwidth of y = x @ W.T on CPU for a few rows of x, by path: F.linear (MKL), W @ x.T,
-and the compiled kernels (kernels/cpu_gemm.cpp: the dot tiles reading W in place, which the
+and the compiled kernels (kernels/cpu/gemm.cpp: the dot tiles reading W in place, which the
 routed experts take, and the panel tiles over a packed copy, which the dense projections take);
 on the projection shapes of the `small` preset, with weights that are not in cache (a rotation of
 copies larger than the last-level cache). It picks kernels/linear.py's switches.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import record
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 SHAPES = [(32000, 768), (768, 768), (768, 384), (1152, 384)]  # lm_head, o_proj, experts, q_b
 ROWS = (1, 2, 4, 6, 8, 12, 16, 32, 64)

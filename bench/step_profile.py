@@ -3,7 +3,7 @@ the rest of attention, lm_head, shared experts, the gate and the rest of the for
 everything outside the forward (scheduling, sampling, bookkeeping). One engine decodes
 `--batch` requests of 128 random prompt tokens; the regions are timed by wrapping the functions
 that compute them (CPU: host clocks are the compute time), over `--steps` decode steps of the
-Python layers; the same number of steps of the fused decode layers (moe/fused_decode.py) before
+Python layers; the same number of steps of the fused decode layers (engine/cpu_decode.py) before
 them gives the step time without the layer glue (fused_layers_step_ms).
 
     .venv/bin/python -m bench.step_profile [--model small] [--batch 32] [--steps 30] [--name N]
@@ -79,12 +79,12 @@ def main() -> None:
     for _ in range(3):  # the prefill, and a warm-up decode step
         engine.step()
     # NOTE: the regions are timed around the Python layers' calls; the fused decode layers
-    # (moe/fused_decode.py: the same kernels, one call per layer) are timed whole first.
+    # (engine/cpu_decode.py: the same kernels, one call per layer) are timed whole first.
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     fused_total = (time.perf_counter() - start) / args.steps
-    engine.model.fused_decode.enabled = False
+    engine.runner.cpu_decode = None  # from here the runner runs the Python layers
     instrument(engine)
     spent.clear()
     start = time.perf_counter()

@@ -24,6 +24,7 @@ import torch
 
 import moe.attention
 import moe.layers
+import moe.norm
 from bench.common import record, workload
 from bench.decode_speed import decode_engine, read_bandwidth
 from engine import SamplingParams
@@ -45,7 +46,7 @@ def compile_dense_parts(model) -> int:
             wrap(module, "_project")
             wrap(module, "_absorbed")
             wrap(module.o_proj, "forward")
-        elif isinstance(module, (moe.layers.RMSNorm, moe.layers.MLP, moe.layers.Gate)):
+        elif isinstance(module, (moe.norm.RMSNorm, moe.layers.MLP, moe.layers.Gate)):
             wrap(module, "forward")
     wrap(model, "compute_logits")
     return wrapped

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 SUBNETS = range(100, 200)  # a cluster's nodes are on 10.77.<s>.0/24, one s per cluster
 READY = "epcluster: ready on"
-BUILD_KERNEL = "from kernels.cpu import cpu_kernels; cpu_kernels()"
+BUILD_KERNEL = "from kernels.cpu.build import cpu_kernels; cpu_kernels()"
 # GET each URL given, print the bodies as a JSON list (runs inside a node's namespace)
 FETCH = (
     "import json, sys, urllib.request as u; "
@@ -241,7 +241,7 @@ class Nodes:
         return Serve(proc, echo).wait_ready(timeout)
 
     def _build_kernel(self, i: int) -> None:
-        """Build the ranks' CPU kernel (kernels/cpu.py) into the cluster's own torch
+        """Build the ranks' CPU kernel (kernels/cpu/build.py) into the cluster's own torch
         extensions directory before any rank needs it. NOTE: a rank that builds it in its first
         decode step stalls past rank_stall_timeout_s on a busy machine and is killed mid-build,
         leaving torch's build lock for every later process to wait on; and the machine's shared

@@ -30,8 +30,13 @@ from engine.config import EngineConfig
 from engine.messages import RebalanceStatus
 from engine.rank_metrics import RankStats
 from moe.dispatch import AllToAllDispatcher
-from moe.eplb import gpu_loads, rebalance_experts
-from moe.eplb_moves import align_placement, count_moves, rebalance_experts_with_moves
+from moe.eplb import (
+    align_placement,
+    count_moves,
+    gpu_loads,
+    rebalance_experts,
+    rebalance_experts_with_moves,
+)
 from moe.loader import read_expert
 from moe.model import DeepseekForCausalLM
 from moe.placement import Placement
@@ -105,17 +110,16 @@ class Balancer:
         self._started = started
         self._requested.clear()
         c, p = self.config, self.placement
+        taken = [m.dispatcher.load.take() for m in self.moes]  # counts start over
         loads = torch.stack(  # [L, S] tokens this rank routed to each slot since the last plan
             [
-                m.dispatcher.load
-                if m.dispatcher.load is not None
+                load
+                if load is not None
                 else torch.zeros(p.num_slots, dtype=torch.int64, device=c.device)
-                for m in self.moes
+                for load in taken
             ]
         )
         dist.all_reduce(loads, group=self.group)  # the pool's load
-        for m in self.moes:
-            m.dispatcher.load = None
         weight = self.window.clone()  # [L, E]
         weight.scatter_add_(1, p.phy2log, loads.cpu().float())
         self.window = c.eplb_decay * weight
@@ -214,9 +218,7 @@ class Balancer:
         for pos, move in self._moves:
             self.last.from_checkpoint += move.finish()
             move.apply()
-            dispatcher = self.moes[pos].dispatcher
-            dispatcher.placement = dispatcher._device_placement = self._new
-            dispatcher.load = None  # its counts start over with the new slots
+            self.moes[pos].dispatcher.set_placement(self._new)  # its counts start over
             self.stats.inc("epcluster_eplb_weight_bytes_moved_total", move.bytes_received)
         self._moves = []
         self._start_round()

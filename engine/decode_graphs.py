@@ -8,7 +8,8 @@ of B decode tokens runs as the smallest bucket of at least B (1, 2, 4, 8, then m
 to cuda_graph_max_batch). The padding rows are real rows of the model: token 0 at position 0,
 writing and reading one extra cache block that no request owns (ModelRunner allocates it). Their
 outputs are dropped, and the experts' load is counted from the real rows' routing after each
-replay (the dispatchers' own counting is off while the layers run here).
+replay (the forward runs with topk_out: the dispatchers count nothing themselves). The Python
+layers run here (fused=None): the CPU's fused layers are ModelRunner's other choice.
 
 Capturable means no host read inside the step: the dispatch of a rank holding every expert keeps
 its counts on the device and the grouped GEMM reads them there (moe/dispatch.py,
@@ -24,6 +25,7 @@ import logging
 import torch
 
 from engine.request import Request
+from kernels.mla_attention import cache_slot
 from moe.attention import PagedKV
 from moe.dispatch import LocalDispatcher, slot_counts
 from moe.model import DeepseekForCausalLM
@@ -82,18 +84,11 @@ class DecodeGraphs:
         kv = PagedKV.decode(
             self.kv_caches, self.slots[:bucket], self.tables[:bucket], self.lens[:bucket]
         )
-        fused = self.model.fused_decode
-        saved = fused.enabled
-        fused.enabled = False  # NOTE: the fused layers count the load themselves
-        for m in self.moes:
-            m.dispatcher.count_load = False
-        try:
-            hidden = self.model.forward_tokens(self.ids[:bucket], self.positions[:bucket], kv=kv)
-        finally:
-            fused.enabled = saved
-            for m in self.moes:
-                m.dispatcher.count_load = True
-        return hidden, [m.dispatcher.last_topk_idx for m in self.moes]
+        topk: list[torch.Tensor] = []  # each MoE layer's topk_idx [bucket, K]
+        hidden = self.model.forward_tokens(
+            self.ids[:bucket], self.positions[:bucket], kv=kv, fused=None, topk_out=topk
+        )
+        return hidden, topk
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -131,7 +126,7 @@ class DecodeGraphs:
             table = req.block_table
             ids.append(req.all_token_ids[p])
             positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+            slots.append(cache_slot(table, p, bs))
             lens.append(p + 1)
             tables.append(table + [self.pad_block] * (width - len(table)))
         pad = bucket - num
@@ -156,7 +151,6 @@ class DecodeGraphs:
         self.num_padding_rows += pad
         for m, idx in zip(self.moes, topk):  # the real rows' load, as the dispatcher counts it
             d = m.dispatcher
-            counts = slot_counts(d._log2slot[idx[:num].reshape(-1)], len(d.expert_ids))
-            d.load = counts if d.load is None else d.load + counts
+            d.load.add(slot_counts(d.log2slot[idx[:num].reshape(-1)], len(d.expert_ids)))
             d.stats.rows += idx[:num].numel()
         return hidden[:num].clone()

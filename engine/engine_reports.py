@@ -86,7 +86,8 @@ class EngineReports:
         for layer, moe in zip(self.model.config.moe_layers, self.model.moe_layers(), strict=True):
             d = moe.dispatcher
             experts = d.slot_experts
-            tokens = d.load.tolist() if d.load is not None else [0] * len(experts)
+            load = d.load.peek()
+            tokens = load.tolist() if load is not None else [0] * len(experts)
             out[layer] = (tokens, experts)
         return out
 

@@ -6,7 +6,6 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from moe.config import ModelConfig
-from moe.dispatch import install_expert_parallel
 from moe.loader import load_model, resolve_model_path
 from moe.placement import Placement
 
@@ -37,7 +36,7 @@ def build_ep_engine(
         device=config.device,
         experts=placement.rank_experts(rank),
     )
-    install_expert_parallel(model, group, placement, rank)
+    model.install_expert_parallel(group, placement, rank)
     # Expert weights of a live re-placement travel on a group of their own, beside the
     # all-to-alls (every rank of the pool creates it here, in the same order).
     moves_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))

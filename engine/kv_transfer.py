@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.messages import KVPayload
-from kernels.mla_attention import gather_latent
+from kernels.mla_attention import cache_slot, gather_latent
 
 
 class KVTransferError(RuntimeError):
@@ -78,6 +78,6 @@ def import_kv(
     device = kv_caches[0].device
     pos = torch.arange(start, num_tokens, device=device)
     table = torch.tensor(block_table, dtype=torch.long, device=device)
-    slots = table[pos // block_size] * block_size + pos % block_size  # [T - start]
+    slots = cache_slot(table, pos, block_size)  # [T - start]
     for cache, rows in zip(kv_caches, data):
         cache.view(-1, width)[slots] = rows[start:].to(device=device, dtype=cache.dtype)

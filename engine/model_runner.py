@@ -1,5 +1,10 @@
 """Runs one scheduled batch through the model over the paged latent cache, then samples.
 
+It chooses how each step's layers run, visibly, in one place (run and _stages): a decode step
+that DecodeGraphs serves replays a CUDA graph (engine/decode_graphs.py); else, on CPU, the fused
+layers where CpuDecode gives them (engine/cpu_decode.py: one compiled call per layer); else the
+model's Python layers.
+
 Legend (kernels/__init__.py): T tokens in the step, B requests, D hidden, V vocab, L layers,
 NB cache blocks, BS block size, C latent width.
 """
@@ -10,11 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_decode import CpuDecode
 from engine.messages import TokenLogprobs
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
 from engine.sampling_params import SamplingParams
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
+from kernels.mla_attention import cache_slot
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
 from moe.overlap import Stages, run_interleaved
@@ -54,6 +61,9 @@ class ModelRunner:
                 f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {bytes_per_block} bytes"
             )
         self.num_split_steps = 0  # steps run as two micro-batches (two-batch overlap)
+        # None: the Python layers (a GPU, or bench's --python-layers)
+        on_cpu = torch.device(config.device).type == "cpu"
+        self.cpu_decode: CpuDecode | None = CpuDecode(model) if on_cpu else None
         self.graphs = None  # DecodeGraphs (enable_graphs)
         # NOTE: zeros, not empty: attention masks rows past a sequence's end, but a NaN there
         # would still poison the sum.
@@ -99,7 +109,7 @@ class ModelRunner:
             table = req.block_table
             ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(cache_slot(table, p, bs) for p in range(start, end))
             context_lens.append(end)
         width = max((len(req.block_table) for req in requests), default=0)
         block_tables = torch.tensor(
@@ -125,7 +135,10 @@ class ModelRunner:
             input_ids, positions, kv = self.prepare(requests, num_new)
         except Exception as e:
             raise _PrepareFailed(repr(e)) from e
-        return self.model.stages(input_ids, positions, kv=kv)
+        fused = None
+        if self.cpu_decode is not None:  # the step's hidden states take the embedding's dtype
+            fused = self.cpu_decode.layers(self.model.model.embed_tokens.weight, kv)
+        return self.model.stages(input_ids, positions, kv=kv, fused=fused)
 
     def _preparable(
         self,

@@ -16,7 +16,7 @@ import torch
 from engine.messages import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kernels.backend import use_cpu_kernel
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 _MASK64 = (1 << 64) - 1
 

@@ -1,5 +1,11 @@
-"""Leaf ops. Each module holds one op: a plain-torch reference (the CPU path) and, where written,
-a Triton kernel behind the same function (backend.py chooses between them).
+"""Leaf ops, the lowest floor. The folder:
+
+- One Python face per op (gate, linear, mla_attention, moe_mlp, rmsnorm, rotary, fp8): a
+  plain-torch reference beside it and, where written, a Triton kernel (a @jit function in the same
+  module) and a compiled CPU kernel behind the same function; backend.py chooses between them.
+- cpu/: the compiled CPU kernels (C++ sources, their one bindings file, and build.py).
+- backend.py (which path serves a call) and hugepages.py (placing weights on huge pages) are
+  not ops but what the faces share.
 
 Shape legend, project-wide: a letter means the same thing in every docstring and `# [..]` tag of
 kernels/, moe/ and engine/ (a module's own legend lists the letters it uses).

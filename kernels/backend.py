@@ -1,5 +1,5 @@
 """Which implementation a kernel call runs: the plain-torch reference, the Triton kernel, or the
-compiled CPU kernel (kernels/cpu.py).
+compiled CPU kernel (kernels/cpu/build.py).
 
 EPCLUSTER_KERNELS chooses, read at every call:
   auto (default)  Triton for CUDA tensors when triton imports; the compiled CPU kernel for fp32
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 try:
     import triton

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import jit, tl, triton, use_cpu_kernel, use_triton
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")

@@ -1,6 +1,6 @@
 """Dense projections y = x @ W.T, by the fastest path for the device and the number of rows.
 
-fp32 on CPU: the compiled kernel (kernels/cpu.py), with 512-bit vectors where MKL packs W on
+fp32 on CPU: the compiled kernel (kernels/cpu/build.py), with 512-bit vectors where MKL packs W on
 every call and multiplies with 256-bit ones: a layer's own weights (`Linear`, packed=True) as a
 copy laid out in panels once (outer-product tiles, ~400 GFLOP/s at 32 rows in cache), other
 weights read in place (dot-product tiles; 345-385 GFLOP/s for 32-96 rows against MKL's 204 on
@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.backend import kernel_mode, use_cpu_kernel
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 SMALL_ROWS = 32  # up to this many rows, without the compiled kernel: W @ x.T
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [Fo, Fi] (fp32, contiguous) laid out for the compiled kernel's panel tiles
-    (kernels/cpu_gemm.cpp: pack_panels), kept on the tensor and packed again when it gets new
+    (kernels/cpu/gemm.cpp: pack_panels), kept on the tensor and packed again when it gets new
     storage (fuse_rows) or, for a tensor that tracks versions, changes in place. The copy doubles
     the weight's memory.
     NOTE: the loaded weights are inference tensors (moe.loader), which count no versions: a

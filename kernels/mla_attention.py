@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
 from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 
 def causal_attention(
@@ -33,6 +34,15 @@ def causal_attention(
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
 
+def cache_slot(
+    table: Sequence[int] | torch.Tensor, pos: int | torch.Tensor, block_size: int
+) -> int | torch.Tensor:
+    """The flat row of the paged cache ([NB * BS, C]) that holds position `pos` of a sequence
+    whose blocks are `table`: block table[pos // BS], offset pos % BS. Ints and lists (the
+    engine's block tables, per position) or int64 tensors (pos [N], table [M]: -> [N]) alike."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
 def write_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
     """kv_cache [NB, BS, C]: row slot_mapping[i] (block * BS + offset) = latent[i] ([T, C])."""
     if use_cpu_kernel(latent) and kv_cache.dtype == torch.float32 and slot_mapping.numel():
@@ -45,7 +55,7 @@ def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
     """kv_cache [NB, BS, C], block_table [M] int -> the first `length` cached rows [length, C]."""
     block_size = kv_cache.shape[1]
     pos = torch.arange(length, device=kv_cache.device)
-    slots = block_table[pos // block_size].long() * block_size + pos % block_size  # [length]
+    slots = cache_slot(block_table.long(), pos, block_size)  # [length]
     return kv_cache.view(-1, kv_cache.shape[-1])[slots]
 
 

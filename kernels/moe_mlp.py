@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
+from kernels.fp8 import BLOCK as FP8_BLOCK
+from kernels.fp8 import dequantize_block_fp8
 from kernels.linear import linear, panels
-
-FP8_BLOCK = 128  # DeepSeek-V3's weight_scale_inv block (moe/fp8.py)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -105,9 +105,6 @@ def grouped_expert_mlp_fp8_ref(
     w2_scale_inv: torch.Tensor,
 ) -> torch.Tensor:
     """The torch reference of grouped_expert_mlp_fp8: dequantize to x's dtype, then the MLP."""
-    # NOTE: imported here: moe imports kernels, so a top-level import would be circular.
-    from moe.fp8 import dequantize_block_fp8
-
     deq = lambda w, scale_inv: dequantize_block_fp8(w, scale_inv).to(x.dtype)
     inter, half = w2.shape[2], w13_scale_inv.shape[1] // 2  # gate and up were quantized apart
     w13_deq = torch.stack(

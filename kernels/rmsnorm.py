@@ -3,7 +3,7 @@
 import torch
 
 from kernels.backend import use_cpu_kernel
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ Legend (kernels/__init__.py): T tokens, NH heads, Dr rope dims (even).
 import torch
 
 from kernels.backend import use_cpu_kernel
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 
 def rope_cos_sin(

@@ -15,7 +15,7 @@ from kernels.linear import Linear, fuse_rows, linear
 from kernels.mla_attention import causal_attention, gather_latent, mla_decode, write_cache
 from kernels.rotary import apply_rotary
 from moe.config import ModelConfig
-from moe.layers import RMSNorm
+from moe.norm import RMSNorm
 
 # Queries of a sequence up to this many take the absorbed path (q_nope W_UK against the latent
 # cache, read in place), longer chunks the expanded one (keys and values from kv_b_proj). Per

@@ -20,18 +20,14 @@ agree bit for bit on a token's sum). The handles and CommStats live in moe/dispa
 """
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from kernels.backend import use_cpu_kernel, use_triton
-from kernels.cpu import cpu_kernels
-from moe.dispatch_handles import CombineHandle, CommStats, DispatchHandle
+from kernels.cpu.build import cpu_kernels
+from moe.dispatch_handles import CombineHandle, CommStats, DispatchHandle, SlotLoad
 from moe.placement import Placement
-
-if TYPE_CHECKING:
-    from moe.model import DeepseekForCausalLM
 
 
 class LocalDispatcher:
@@ -41,19 +37,15 @@ class LocalDispatcher:
     def __init__(self, expert_ids: list[int], num_experts: int) -> None:
         self.expert_ids = list(expert_ids)
         self.stats = CommStats()
-        self.load: torch.Tensor | None = None  # [S_r] int64 tokens routed to each slot
+        self.load = SlotLoad()  # [S_r] int64 tokens routed to each slot
         # NOTE: explicit cpu: factory calls under a meta-device context import torch._dynamo.
         log2slot = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")  # [E]
         for slot in reversed(range(len(self.expert_ids))):
             log2slot[self.expert_ids[slot]] = slot
-        self._log2slot = log2slot
+        self.log2slot = log2slot  # [E] the local slot of each logical expert, -1: not held
         # NOTE: holding every expert, no token can miss one: dispatch then reads nothing back
         # on the host (a device sync per layer on GPUs, and none may happen in a CUDA graph).
         self._holds_all = bool((log2slot >= 0).all())
-        # False while engine/decode_graphs.py runs the layers: it counts the load itself from
-        # last_topk_idx, leaving out its padding rows.
-        self.count_load = True
-        self.last_topk_idx: torch.Tensor | None = None  # [T, K] of the last dispatch
 
     @property
     def slot_experts(self) -> list[int]:
@@ -66,31 +58,33 @@ class LocalDispatcher:
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
         async_op: bool = False,
+        count_load: bool = True,
     ) -> DispatchHandle:
         """x [T, D], topk_idx [T, K] int64 logical experts, topk_weights [T, K] fp32 -> a ready
-        handle: recv_x [T * K, D] sorted by local slot, recv_counts [S_r]."""
+        handle: recv_x [T * K, D] sorted by local slot, recv_counts [S_r]. count_load False:
+        the caller counts the load (decode graphs, without their padding rows)."""
         _check_routing(x, topk_idx, topk_weights)
-        self.last_topk_idx = topk_idx
-        if self._log2slot.device != topk_idx.device:
-            self._log2slot = self._log2slot.to(topk_idx.device)
+        if self.log2slot.device != topk_idx.device:
+            self.log2slot = self.log2slot.to(topk_idx.device)
         top_k = topk_idx.shape[1]
         if use_cpu_kernel(x) and x.is_contiguous():
             send_order, rows, counts_t = cpu_kernels().local_dispatch(
-                x, topk_idx.contiguous(), self._log2slot, len(self.expert_ids)
+                x, topk_idx.contiguous(), self.log2slot, len(self.expert_ids)
             )  # the same sort, gather and counts in one op
             if send_order.numel() == topk_idx.numel():
-                return self._handle(topk_weights, send_order, rows, counts_t)
-        slots = self._log2slot[topk_idx.reshape(-1)]  # [T * K]
+                return self._handle(topk_weights, send_order, rows, counts_t, count_load)
+        slots = self.log2slot[topk_idx.reshape(-1)]  # [T * K]
         if not self._holds_all and not bool((slots >= 0).all()):
             missing = sorted(set(topk_idx.reshape(-1)[slots < 0].tolist()))
             raise RuntimeError(
                 f"tokens were routed to experts {missing} that this rank does not hold: a model "
-                "loaded with a subset of the experts needs install_expert_parallel"
+                "loaded with a subset of the experts needs "
+                "DeepseekForCausalLM.install_expert_parallel"
             )
         send_order = torch.argsort(slots, stable=True)  # [T * K]
         rows = x[send_order // top_k]  # [T * K, D]
         counts_t = slot_counts(slots, len(self.expert_ids))  # [S_r]
-        return self._handle(topk_weights, send_order, rows, counts_t)
+        return self._handle(topk_weights, send_order, rows, counts_t, count_load)
 
     def _handle(
         self,
@@ -98,9 +92,10 @@ class LocalDispatcher:
         send_order: torch.Tensor,
         rows: torch.Tensor,
         counts_t: torch.Tensor,
+        count_load: bool,
     ) -> DispatchHandle:
-        if self.count_load:
-            self.load = counts_t if self.load is None else self.load + counts_t
+        if count_load:
+            self.load.add(counts_t)
             self.stats.rows += rows.shape[0]
         # NOTE: for the Triton grouped GEMM the counts stay a tensor: it reads them on the
         # device (no sync, and a CUDA graph can hold the step)
@@ -145,11 +140,18 @@ class AllToAllDispatcher:
         self.stats = CommStats()
         # [S] int64 tokens this rank routed to each physical slot of the pool (on the device:
         # no sync per step); the pool's load is the sum over its ranks
-        self.load: torch.Tensor | None = None
+        self.load = SlotLoad()
 
     @property
     def slot_experts(self) -> list[int]:
         return self.placement.phy2log[self.layer_pos].tolist()
+
+    def set_placement(self, placement: Placement) -> None:
+        """Dispatch by `placement` from the next batch (a live re-placement, engine/balancer.py,
+        between steps); the load counts start over with the new slots."""
+        assert placement.num_slots == self.placement.num_slots, (placement, self.placement)
+        self.placement = self._device_placement = placement
+        self.load.take()
 
     def dispatch(
         self,
@@ -157,8 +159,10 @@ class AllToAllDispatcher:
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
         async_op: bool = False,
+        count_load: bool = True,
     ) -> DispatchHandle:
-        """Send each token's row to the K slots it is routed to.
+        """Send each token's row to the K slots it is routed to (count_load: as
+        LocalDispatcher.dispatch).
 
         x [T, D]; topk_idx [T, K] int64 logical experts; topk_weights [T, K] fp32.
         With async_op the count exchange is in flight on return: call handle.launch_rows() to
@@ -174,7 +178,8 @@ class AllToAllDispatcher:
         # Slot ids are rank-major, so sorting by slot sorts by (destination rank, slot).
         send_order = torch.argsort(phy, stable=True)  # [T * K]
         send_counts = torch.bincount(phy, minlength=placement.num_slots)  # [S] = [R * S_r]
-        self.load = send_counts if self.load is None else self.load + send_counts
+        if count_load:
+            self.load.add(send_counts)
         started = time.perf_counter()
         recv_counts = torch.empty_like(send_counts)  # [R * S_r]: from (source rank, my slot)
         counts_work = dist.all_to_all_single(
@@ -241,32 +246,3 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     assert topk_idx.dtype == torch.int64, topk_idx.dtype
     assert topk_weights.shape == topk_idx.shape, (topk_weights.shape, topk_idx.shape)
     assert topk_idx.shape[0] == x.shape[0], (topk_idx.shape, x.shape)
-
-
-def install_expert_parallel(
-    model: "DeepseekForCausalLM",
-    group: dist.ProcessGroup | None,
-    placement: Placement,
-    rank: int,
-) -> dict[int, AllToAllDispatcher]:
-    """Give every MoE layer of `model` (loaded with experts=placement.rank_experts(rank)) an
-    AllToAllDispatcher over `group`. Returns model layer -> dispatcher."""
-    moe_layers = dict(zip(model.config.moe_layers, model.moe_layers(), strict=True))
-    if tuple(moe_layers) != placement.layers:
-        raise ValueError(
-            f"placement layers {placement.layers} != the model's MoE layers {tuple(moe_layers)}"
-        )
-    expected = placement.rank_experts(rank)
-    counts_group = None
-    if dist.is_initialized():  # every rank of the pool gets here once, in the same order
-        counts_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
-    dispatchers = {}
-    for pos, (layer, moe) in enumerate(moe_layers.items()):
-        if moe.experts.expert_ids != expected[layer]:
-            raise ValueError(
-                f"layer {layer}: rank {rank} holds experts {moe.experts.expert_ids}, "
-                f"the placement puts {expected[layer]} there"
-            )
-        moe.dispatcher = AllToAllDispatcher(group, placement, pos, rank, counts_group)
-        dispatchers[layer] = moe.dispatcher
-    return dispatchers

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.backend import use_cpu_kernel
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -27,6 +27,28 @@ class CommStats:
     dispatch_bytes: int = 0  # rows this rank sent (to itself included)
     combine_bytes: int = 0
     rows: int = 0  # token-expert rows this rank's experts computed
+
+
+class SlotLoad:
+    """Tokens routed to each slot of one MoE layer since the last take() (a dispatcher owns one;
+    the dispatchers, the fused CPU layers and the decode graphs add to it, the balancer takes it,
+    the engine's reports peek at it). Kept on the counts' device: no host sync per step."""
+
+    def __init__(self) -> None:
+        self._counts: torch.Tensor | None = None  # [S_r] or [S] int64
+
+    def add(self, counts: torch.Tensor) -> None:
+        """counts [S_r] (or [S]) int64 added to the running counts."""
+        self._counts = counts if self._counts is None else self._counts + counts
+
+    def take(self) -> torch.Tensor | None:
+        """The counts since the last take (None: nothing counted), starting over."""
+        counts, self._counts = self._counts, None
+        return counts
+
+    def peek(self) -> torch.Tensor | None:
+        """The counts since the last take, left in place."""
+        return self._counts
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Feed-forward layers: RMSNorm, the dense MLP, the gate, the routed experts and the MoE block.
+"""Feed-forward layers: the dense MLP, the gate, the routed experts and the MoE block.
 
 Legend (kernels/__init__.py): T tokens, D hidden, I intermediate, E logical routed experts,
 S_r expert slots on this rank, K experts per token, N rows (token x k pairs).
@@ -12,20 +12,9 @@ from torch import nn
 from kernels.gate import grouped_topk
 from kernels.linear import Linear, fuse_rows, linear
 from kernels.moe_mlp import dense_mlp, grouped_expert_mlp, silu_and_mul
-from kernels.rmsnorm import rms_norm
 from moe.config import ModelConfig
 from moe.dispatch import Dispatcher, LocalDispatcher
 from moe.overlap import Stages, run_to_end
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -100,7 +89,7 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Gate, routed experts and shared experts. The dispatcher moves the token rows to the
     routed experts and back: a LocalDispatcher when this rank holds every expert, an
-    AllToAllDispatcher (moe.dispatch.install_expert_parallel) when the pool shares them."""
+    AllToAllDispatcher (DeepseekForCausalLM.install_expert_parallel) when the pool shares them."""
 
     def __init__(self, config: ModelConfig, expert_ids: Sequence[int]) -> None:
         super().__init__()
@@ -110,12 +99,19 @@ class MoE(nn.Module):
         self.shared_experts = MLP(config.hidden_size, shared) if shared else None
         self.dispatcher: Dispatcher = LocalDispatcher(expert_ids, config.n_routed_experts)
 
-    def stages(self, x: torch.Tensor) -> Stages[torch.Tensor]:
+    def stages(
+        self, x: torch.Tensor, topk_out: list[torch.Tensor] | None = None
+    ) -> Stages[torch.Tensor]:
         """x [T, D] -> routed + shared output [T, D], yielding while the rows travel (after the
         dispatch starts, and after the combine starts). The shared expert runs while the
-        dispatch is in flight."""
+        dispatch is in flight. With topk_out, the routing topk_idx [T, K] is appended there and
+        the dispatcher counts no load (the caller counts it)."""
         topk_weights, topk_idx = self.gate(x)  # [T, K]
-        handle = self.dispatcher.dispatch(x, topk_idx, topk_weights, async_op=True)
+        if topk_out is not None:
+            topk_out.append(topk_idx)
+        handle = self.dispatcher.dispatch(
+            x, topk_idx, topk_weights, async_op=True, count_load=topk_out is None
+        )
         handle.launch_rows()  # another micro-batch's attention runs while the rows travel
         shared = self.shared_experts(x) if self.shared_experts is not None else None  # [T, D]
         yield

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from kernels import hugepages
+from kernels.fp8 import dequantize_block_fp8
 from moe.config import ModelConfig
-from moe.fp8 import dequantize_block_fp8
 from moe.model import DeepseekForCausalLM, ExpertSubset
 
 _EXPERT = re.compile(

@@ -11,8 +11,10 @@ call), as the engine drives it.
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kernels import hugepages
@@ -21,15 +23,27 @@ from kernels.linear import Linear, panels
 from kernels.rotary import rope_cos_sin
 from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
-from moe.dispatch import CommStats
-from moe.fused_decode import FusedDecode
-from moe.layers import MLP, MoE, RMSNorm
+from moe.dispatch import AllToAllDispatcher, CommStats
+from moe.layers import MLP, MoE
+from moe.norm import RMSNorm
 from moe.overlap import Stages, run_to_end
+from moe.placement import Placement
 from moe.rope import rope_inv_freq
 
 log = logging.getLogger(__name__)
 
 ExpertSubset = Sequence[int] | Mapping[int, Sequence[int]] | None
+
+
+class FusedLayers(Protocol):
+    """Every decoder layer of a step in a compiled form (engine/cpu_decode.py builds them for the
+    CPU): what the caller of `stages` may pass to run instead of the Python layers."""
+
+    def stages(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV
+    ) -> Stages[torch.Tensor]:
+        """x [T, D] through every layer -> [T, D] (before the final norm)."""
+        ...
 
 
 def local_expert_ids(config: ModelConfig, layer: int, experts: ExpertSubset) -> list[int]:
@@ -60,12 +74,13 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         seq_lens: list[int] | None,
         kv: PagedKV | None,
+        topk_out: list[torch.Tensor] | None = None,
     ) -> Stages[torch.Tensor]:
-        """x [T, D] -> [T, D], yielding while an MoE layer's rows travel."""
+        """x [T, D] -> [T, D], yielding while an MoE layer's rows travel (topk_out: MoE.stages)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, kv)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            return x + (yield from self.mlp.stages(h))
+            return x + (yield from self.mlp.stages(h, topk_out))
         return x + self.mlp(h)
 
 
@@ -89,7 +104,6 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.fused_decode = FusedDecode(self)  # set .enabled False for the Python layers
 
     def init_buffers(self) -> None:
         """Recompute the non-persistent buffers (after building on the meta device)."""
@@ -144,6 +158,31 @@ class DeepseekForCausalLM(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
+    def install_expert_parallel(
+        self, group: dist.ProcessGroup | None, placement: Placement, rank: int
+    ) -> dict[int, AllToAllDispatcher]:
+        """Give every MoE layer (loaded with experts=placement.rank_experts(rank)) an
+        AllToAllDispatcher over `group`. Returns model layer -> dispatcher."""
+        moe_layers = dict(zip(self.config.moe_layers, self.moe_layers(), strict=True))
+        if tuple(moe_layers) != placement.layers:
+            raise ValueError(
+                f"placement layers {placement.layers} != the model's MoE layers {tuple(moe_layers)}"
+            )
+        expected = placement.rank_experts(rank)
+        counts_group = None
+        if dist.is_initialized():  # every rank of the pool gets here once, in the same order
+            counts_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        dispatchers = {}
+        for pos, (layer, moe) in enumerate(moe_layers.items()):
+            if moe.experts.expert_ids != expected[layer]:
+                raise ValueError(
+                    f"layer {layer}: rank {rank} holds experts {moe.experts.expert_ids}, "
+                    f"the placement puts {expected[layer]} there"
+                )
+            moe.dispatcher = AllToAllDispatcher(group, placement, pos, rank, counts_group)
+            dispatchers[layer] = moe.dispatcher
+        return dispatchers
+
     def share_comm_stats(self) -> CommStats:
         """One CommStats for every MoE layer's dispatcher (call after the dispatchers are
         final: install_expert_parallel replaces them); -> it."""
@@ -158,20 +197,26 @@ class DeepseekForCausalLM(nn.Module):
         positions: torch.Tensor,
         seq_lens: list[int] | None = None,
         kv: PagedKV | None = None,
+        fused: FusedLayers | None = None,
+        topk_out: list[torch.Tensor] | None = None,
     ) -> Stages[torch.Tensor]:
         """input_ids, positions [T] (a flat batch of sequences) -> final hidden states [T, D],
         yielding while an MoE layer's rows travel.
 
         Without kv the batch is whole sequences of seq_lens tokens; with kv, see PagedKV.
+        fused: the layers in a compiled form, the caller's choice for this step (ModelRunner:
+        engine/cpu_decode.py), run over kv instead of the Python layers; the same numbers.
+        topk_out: each MoE layer appends its topk_idx [T, K] there and its dispatcher counts no
+        load (the caller counts it: the decode graphs leave their padding rows out).
         """
         x = self.model.embed_tokens(input_ids)  # [T, D]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)
-        fused = self.fused_decode.layers(x, kv)
-        if fused is not None:  # one compiled call per layer, the same numbers
-            x = yield from self.fused_decode.stages(fused, x, cos, sin, kv)
+        if fused is not None:
+            assert kv is not None and topk_out is None, "the fused layers run over a paged cache"
+            x = yield from fused.stages(x, cos, sin, kv)
             return self.model.norm(x)
         for layer in self.model.layers:
-            x = yield from layer.stages(x, cos, sin, seq_lens, kv)
+            x = yield from layer.stages(x, cos, sin, seq_lens, kv, topk_out)
         return self.model.norm(x)
 
     def forward_tokens(
@@ -180,9 +225,11 @@ class DeepseekForCausalLM(nn.Module):
         positions: torch.Tensor,
         seq_lens: list[int] | None = None,
         kv: PagedKV | None = None,
+        fused: FusedLayers | None = None,
+        topk_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`stages` run to the end: input_ids, positions [T] -> hidden [T, D]."""
-        return run_to_end(self.stages(input_ids, positions, seq_lens, kv))
+        return run_to_end(self.stages(input_ids, positions, seq_lens, kv, fused, topk_out))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] -> logits [T, V] fp32."""

@@ -1,7 +1,7 @@
 """Embedded models, all DeepSeek-V3 layout, each a real HF-format checkpoint directory (config.json,
 model.safetensors, tokenizer.json) that loads through the same loader as any checkpoint.
 
-tiny: the default, trained on Python's language reference (moe/train_tiny.py); its checkpoint is
+tiny: the default, trained on Python's language reference (tools/tiny/train.py); its checkpoint is
   committed under moe/weights/tiny and installs with the package (1.9M parameters).
 tiny-random: deterministic random weights, for tests that need its shapes (0.36M parameters).
 small: deterministic random weights, for benchmarks (273.97M, 100.6M active per token).

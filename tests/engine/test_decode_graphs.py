@@ -69,7 +69,7 @@ def watch_host_reads(graphs) -> list[str]:
 
 
 def loads(llm):
-    return [m.dispatcher.load.clone() for m in llm.engine.model.moe_layers()]
+    return [m.dispatcher.load.peek().clone() for m in llm.engine.model.moe_layers()]
 
 
 def rows(llm):

@@ -5,7 +5,7 @@ import torch
 
 from kernels import backend, gate, mla_attention, moe_mlp
 from kernels.backend import ENV_VAR, use_triton
-from moe.fp8 import quantize_block_fp8
+from kernels.fp8 import quantize_block_fp8
 
 
 def test_modes(monkeypatch):

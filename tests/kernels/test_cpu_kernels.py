@@ -1,8 +1,9 @@
-"""The compiled CPU kernels (kernels/cpu_gemm.cpp, kernels/cpu_attention.cpp) against the torch
+"""The compiled CPU kernels (kernels/cpu/gemm.cpp, kernels/cpu/attention.cpp) against the torch
 references: x @ W.T, the grouped expert MLP over slot-sorted rows, and absorbed MLA attention over
 a paged cache read in place (decode and chunked prefill over a cached prefix). Odd sizes, vector
 tails, empty slots, table holes, batch 1; a row's result never depends on the rows around it;
-wrong shapes are refused with a message. Built here by kernels/cpu.py (make test has a compiler)."""
+wrong shapes are refused with a message. Built here by kernels/cpu/build.py (make test has a
+compiler)."""
 
 import os
 import time
@@ -10,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kernels.cpu import clear_stale_lock, cpu_kernels
+from kernels.cpu.build import clear_stale_lock, cpu_kernels
 from kernels.linear import linear, panels
 from kernels.mla_attention import paged_latent_attention, paged_latent_attention_ref
 from kernels.moe_mlp import dense_mlp, grouped_expert_mlp, grouped_expert_mlp_ref
@@ -347,7 +348,7 @@ def test_local_dispatcher_refuses_an_expert_it_does_not_hold(kernels):
     with pytest.raises(RuntimeError, match=r"experts \[3\]"):
         dispatcher.dispatch(x, torch.tensor([[1], [3]]), w)
     handle = dispatcher.dispatch(x, torch.tensor([[1], [0]]), w)
-    assert handle.recv_counts == [1, 1] and dispatcher.load.tolist() == [1, 1]
+    assert handle.recv_counts == [1, 1] and dispatcher.load.peek().tolist() == [1, 1]
     assert torch.equal(handle.recv_x, x[[1, 0]])
 
 

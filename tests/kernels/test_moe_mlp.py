@@ -5,12 +5,12 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
+from kernels.fp8 import quantize_block_fp8
 from kernels.moe_mlp import (
     grouped_expert_mlp_fp8_ref,
     grouped_expert_mlp_ref,
     grouped_expert_mlp_triton,
 )
-from moe.fp8 import quantize_block_fp8
 
 # bf16: the reference rounds gate/up, silu(gate) * up and the output to bf16 (0.5 ulp each);
 # the kernel rounds the intermediate and the output, and Triton's interpreter converts fp32 to

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe import load_model
-from moe.dispatch import AllToAllDispatcher, LocalDispatcher, install_expert_parallel
+from moe.dispatch import AllToAllDispatcher, LocalDispatcher
 from moe.eplb import rebalance_experts
 from moe.placement import Placement
 from moe.presets import ensure_preset
@@ -101,7 +101,7 @@ def _worker(rank: int, num_ranks: int) -> dict:
     results = {}
     for case, (placement, tokens) in enumerate(CASES[num_ranks]):
         model = load_model("tiny-random", experts=placement.rank_experts(rank))
-        install_expert_parallel(model, None, placement, rank)
+        model.install_expert_parallel(None, placement, rank)
         with torch.inference_mode():
             for layer in MOE_LAYERS:
                 x = _hidden(case, rank, layer, tokens[rank])
@@ -179,9 +179,9 @@ def test_install_rejects_a_model_loaded_for_another_rank():
     placement = Placement.contiguous(MOE_LAYERS, NUM_EXPERTS, 2)
     model = load_model("tiny-random", experts=placement.rank_experts(1))
     with pytest.raises(ValueError, match="rank 0 holds experts"):
-        install_expert_parallel(model, None, placement, 0)
+        model.install_expert_parallel(None, placement, 0)
     with pytest.raises(ValueError, match="MoE layers"):
-        install_expert_parallel(model, None, Placement.contiguous((1,), NUM_EXPERTS, 2), 1)
+        model.install_expert_parallel(None, Placement.contiguous((1,), NUM_EXPERTS, 2), 1)
 
 
 def test_local_dispatcher_sorts_by_slot_and_combines_by_hand():

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.fp8 import dequantize_block_fp8, quantize_block_fp8
 from moe import load_model
 from moe.config import ConfigError
-from moe.fp8 import dequantize_block_fp8, quantize_block_fp8
 from moe.loader import LoadError
 from tests.hf_oracle import make_hf_model
 

@@ -1,5 +1,5 @@
 """The trained `tiny` preset: it is the committed checkpoint, that checkpoint is what
-moe.train_tiny produces, it speaks readable English through the engine, our model equals
+tools.tiny.train produces, it speaks readable English through the engine, our model equals
 transformers' on it, and its routing is skewed as recorded."""
 
 import hashlib
@@ -14,10 +14,11 @@ import torch
 from tokenizers import Tokenizer
 
 from engine import LLM, SamplingParams
-from moe import ModelConfig, load_model, resolve_model_path, train_tiny
+from moe import ModelConfig, load_model, resolve_model_path
 from moe.layers import Gate
 from moe.presets import TRAINED
 from tests.hf_oracle import hf_greedy
+from tools.tiny import train as train_tiny
 
 PATH = TRAINED["tiny"]
 META = json.loads((PATH / "training_meta.json").read_text())

@@ -1,14 +1,16 @@
-"""The fused decode layers (moe/fused_decode.py, one compiled call per layer) against the
+"""The fused decode layers (engine/cpu_decode.py, one compiled call per layer) against the
 model's Python layers: the same hidden states, cache rows and expert loads, bit for bit, step by
 step; and the steps it must leave to the Python layers."""
 
 import pytest
 import torch
 
-from kernels.cpu import cpu_kernels
+from engine.cpu_decode import CpuDecode
+from kernels.cpu.build import cpu_kernels
 from moe import load_model
 from moe.attention import PagedKV
 from moe.dispatch import CommStats, LocalDispatcher
+from moe.dispatch_handles import SlotLoad
 from tests.hf_oracle import make_hf_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels did not build")
@@ -41,7 +43,9 @@ class Run:
             torch.zeros(len(prompts) * per_seq, BLOCK, c.kv_cache_width)
             for _ in range(c.num_hidden_layers)
         ]
-        self.loads = None
+        # the runner's choice, made here per run: the fused layers where they serve, or none
+        self.cpu_decode = CpuDecode(model) if fused else None
+        self.loads = {moe: SlotLoad() for moe in model.moe_layers()}
         self.stats = CommStats()
         self.fused_steps = 0
 
@@ -58,16 +62,16 @@ class Run:
             [len(s) for s in self.seqs],
         )  # fmt: skip
         m = self.model
-        m.fused_decode.enabled = self.fused
-        moes = m.moe_layers()
-        for moe in moes:
-            moe.dispatcher.load = None if self.loads is None else self.loads[moe]
+        for moe in m.moe_layers():
+            moe.dispatcher.load = self.loads[moe]
             moe.dispatcher.stats = self.stats
-        if m.fused_decode.layers(torch.empty(0, m.config.hidden_size), kv) is not None:
+        fused = None
+        if self.cpu_decode is not None:
+            fused = self.cpu_decode.layers(torch.empty(0, m.config.hidden_size), kv)
+        if fused is not None:
             self.fused_steps += 1
         with torch.inference_mode():
-            hidden = m.forward_tokens(torch.tensor(ids), torch.tensor(pos), kv=kv)
-        self.loads = {moe: moe.dispatcher.load.clone() for moe in moes}
+            hidden = m.forward_tokens(torch.tensor(ids), torch.tensor(pos), kv=kv, fused=fused)
         return hidden
 
 
@@ -103,7 +107,7 @@ def test_fused_layers_equal_the_python_layers_bit_for_bit(model, dispatch):
         for a, b in zip(runs[True].caches, runs[False].caches):
             assert torch.equal(a, b), step
         for moe in model.moe_layers():
-            assert torch.equal(runs[True].loads[moe], runs[False].loads[moe]), step
+            assert torch.equal(runs[True].loads[moe].peek(), runs[False].loads[moe].peek()), step
         assert runs[True].stats.rows == runs[False].stats.rows
         last = torch.tensor(new).cumsum(0) - 1
         nxt = model.compute_logits(hidden[True][last]).argmax(-1).tolist()
@@ -114,23 +118,22 @@ def test_fused_layers_equal_the_python_layers_bit_for_bit(model, dispatch):
             if step == 0:
                 run.seqs[0] += [7, 8]
     assert runs[True].fused_steps == 8 and runs[False].fused_steps == 0
-    whole = [w for _, _, w in model.fused_decode._layers]
+    whole = [layer.whole for layer in runs[True].cpu_decode.built.layers]
     num_dense = c.num_hidden_layers - len(model.moe_layers())
     assert whole == [True] * num_dense + [dispatch == "whole layers"] * len(model.moe_layers())
     assert runs[True].stats.rows == runs[False].stats.rows > 0
-    total = sum(int(load.sum()) for load in runs[True].loads.values())
+    total = sum(int(load.peek().sum()) for load in runs[True].loads.values())
     # every token of every step routed top-k times in each MoE layer
     tokens = sum(len(p) for p in prompts) + 5 + 3 * 7
     assert total == tokens * c.num_experts_per_tok * len(model.moe_layers())
 
 
 def test_steps_the_fused_layers_leave_to_the_python_layers(model, monkeypatch):
-    fused = model.fused_decode
+    fused = CpuDecode(model)
     x = torch.empty(1, model.config.hidden_size)
     tables = torch.arange(16).view(2, 8)
     decode = PagedKV([], torch.tensor([3, 40]), tables, [1, 1], [4, 9])
     long_chunk = PagedKV([], torch.arange(65), tables[:1], [65], [65])
-    fused.enabled = True
     assert fused.layers(x, decode) is not None
     assert fused.layers(x, long_chunk) is None  # a 65-token chunk takes the expanded path
     assert fused.layers(x, None) is None  # no cache: whole sequences
@@ -138,9 +141,7 @@ def test_steps_the_fused_layers_leave_to_the_python_layers(model, monkeypatch):
     monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
     assert fused.layers(x, decode) is None
     monkeypatch.delenv("EPCLUSTER_KERNELS")
-    fused.enabled = False
-    assert fused.layers(x, decode) is None
-    fused.enabled = True
+    assert fused.layers(x, decode) is not None
 
 
 def test_new_expert_weights_are_picked_up(model):
@@ -151,7 +152,7 @@ def test_new_expert_weights_are_picked_up(model):
     runs = {fused: Run(model, prompts, fused) for fused in (True, False)}
     for run in runs.values():
         run.step([4])
-    before = model.fused_decode._layers
+    before = runs[True].cpu_decode.built
     experts = model.moe_layers()[0].experts
     old = experts.w13.data
     experts.w13.data = old.flip(0).contiguous()  # other experts' weights in every slot
@@ -159,7 +160,7 @@ def test_new_expert_weights_are_picked_up(model):
         for run in runs.values():
             run.seqs[0].append(5)
         hidden = {fused: run.step([1]) for fused, run in runs.items()}
-        assert model.fused_decode._layers is not before
+        assert runs[True].cpu_decode.built is not before
         assert torch.equal(hidden[True], hidden[False])
     finally:
         experts.w13.data = old

@@ -10,30 +10,21 @@ slots per GPU, heaviest first onto the lightest GPU. When the expert groups divi
 it first packs whole groups onto nodes (hierarchical: group-limited routing then keeps most traffic
 inside a node); otherwise it packs globally.
 
-The greedy's pieces live in moe.eplb_greedy. `rebalance_experts` (method "search", the default)
-starts from the greedy and improves it: which groups share a node (moe.eplb_groups), then local
-search on each node (moe.eplb_search: slot swaps between GPUs, moving a replica from one expert to
+The greedy's pieces live in moe.eplb.greedy. `rebalance_experts` (method "search", the default)
+starts from the greedy and improves it: which groups share a node (moe.eplb.groups), then local
+search on each node (moe.eplb.search: slot swaps between GPUs, moving a replica from one expert to
 another, and new replica counts repacked). It keeps, layer by layer, whichever of the greedy and
 the searched placements has the smaller largest GPU load, so it is never worse than the greedy.
-moe.eplb_bound gives a lower bound for each layer; moe.eplb_moves rebalances under a budget of
+moe.eplb.bound gives a lower bound for each layer; moe.eplb.moves rebalances under a budget of
 moved slots.
 """
 
 import torch
 
-from moe.eplb_greedy import balanced_packing, inverse_permutation, replicate_experts
-from moe.eplb_groups import pack_groups
-from moe.eplb_search import count_search
+from moe.eplb.greedy import balanced_packing, inverse_permutation, replicate_experts
+from moe.eplb.groups import pack_groups
+from moe.eplb.search import count_search
 from moe.placement import build_log2phy
-
-__all__ = [
-    "balanced_packing",
-    "better_placement",
-    "gpu_loads",
-    "rebalance_experts",
-    "rebalance_hierarchical",
-    "replicate_experts",
-]
 
 
 def rebalance_hierarchical(
@@ -49,7 +40,7 @@ def rebalance_hierarchical(
 
     Slots are numbered GPU by GPU (S / R per GPU), and GPUs node by node (R / N per node).
     search: refine each node's slots by local search after the greedy packing; group_search:
-    choose which groups share a node by moe.eplb_groups instead of the greedy's node loads.
+    choose which groups share a node by moe.eplb.groups instead of the greedy's node loads.
     """
     num_layers, num_log = weight.shape
     assert num_log % num_groups == 0, (num_log, num_groups)

@@ -1,4 +1,4 @@
-"""The routed load while `tiny` trains (moe/train_tiny.py): tokens per expert counted from the
+"""The routed load while `tiny` trains (tools/tiny/train.py): tokens per expert counted from the
 gates of transformers' DeepseekV3 model, DeepSeek-V3's aux-loss-free bias update on them, and how
 skewed the load ends up.
 

@@ -11,8 +11,8 @@ aligned to the current one (`align_placement`) before its moves are counted.
 
 import torch
 
-from moe.eplb import gpu_loads, rebalance_experts
-from moe.eplb_search import local_search
+from moe.eplb.rebalance import gpu_loads, rebalance_experts
+from moe.eplb.search import local_search
 from moe.placement import build_log2phy
 
 
@@ -33,7 +33,7 @@ def rebalance_experts_with_moves(
 
     weight [L, E]: tokens per logical expert. current [L, S] int64: the placement now (every
     expert has a slot). max_moves: int or [L]. Per layer the result is the best (smallest max GPU
-    load, then fewest moves) of: current (0 moves); local search from current (moe.eplb_search)
+    load, then fewest moves) of: current (0 moves); local search from current (moe.eplb.search)
     with the budget; and rebalance_experts' placement aligned to current, when its moves fit.
     So it is never worse than current, and with max_moves >= S never worse than
     rebalance_experts (up to float rounding: aligning reorders each GPU's sum).

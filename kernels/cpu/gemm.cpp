@@ -1,11 +1,11 @@
 // CPU kernels (fp32) for the decode step's multiplies: y = x @ w.T, and the routed experts'
-// MLPs over expert-sorted rows in one call per layer. kernels/cpu.py builds this file, with
-// kernels/cpu_attention.cpp, for the widest vectors the CPU has (AVX-512 or AVX2).
+// MLPs over expert-sorted rows in one call per layer. kernels/cpu/build.py builds this file, with
+// kernels/cpu/attention.cpp, for the widest vectors the CPU has (AVX-512 or AVX2).
 //
 // Why not MKL: for a few rows MKL packs each weight matrix on every call and reads it at 5-16
 // GB/s, and on this class of CPU (AMD, AVX-512) it multiplies with 256-bit vectors, half the
 // machine's fp32 peak. Here each weight row is read once: in place, by a dot-product tile of up
-// to 4 weight rows x 6 rows of x in registers (kernels/cpu_simd.h: the routed experts, any
+// to 4 weight rows x 6 rows of x in registers (kernels/cpu/simd.h: the routed experts, any
 // weight), or from a copy laid out in panels once (pack_panels: the layers' dense projections,
 // outer-product tiles of 8 rows x 48 outputs); threads split weight rows.
 #include <ATen/Parallel.h>
@@ -15,8 +15,8 @@
 #include <memory>
 #include <vector>
 
-#include "cpu_kernels.h"
-#include "cpu_simd.h"
+#include "kernels.h"
+#include "simd.h"
 
 namespace {
 
@@ -302,25 +302,4 @@ torch::Tensor mlp_panels(const torch::Tensor& x, const torch::Tensor& p13, const
   silu_mul_rows(gate_up.data_ptr<float>(), N, I, h.data_ptr<float>());
   panel_linear(h.data_ptr<float>(), I, N, I, p2.data_ptr<float>(), D, out.data_ptr<float>(), D);
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mla_decode", &mla_decode,
-        "absorbed MLA decode: W_UK, attention over the paged cache, W_UV, in one call (fp32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of [T, D] rows (fp32)");
-  m.def("rotary", &rotary, "rotary embedding of [T, (H,) Dr] (fp32)");
-  m.def("grouped_topk", &grouped_topk, "the MoE gate: scores and group-limited top-k (fp32)");
-  m.def("local_dispatch", &local_dispatch, "rows sorted by local expert slot (fp32)");
-  m.def("write_rows", &write_rows, "the paged cache write: cache rows slots[i] = rows[i] (fp32)");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax, lowest index on ties (fp32)");
-  m.def("combine", &combine, "weighted sum of each token's expert rows (fp32)");
-  m.def("linear", &linear, "x @ w.T (fp32)");
-  m.def("pack_panels", &pack_panels, "w [N, K] laid out for linear_panels and mlp_panels");
-  m.def("linear_panels", &linear_panels, "x @ w.T, w packed by pack_panels (fp32)");
-  m.def("mlp_panels", &mlp_panels, "SiLU-gated MLP over weights packed by pack_panels (fp32)");
-  m.def("grouped_mlp", &grouped_mlp, "SiLU-gated expert MLPs over slot-sorted rows (fp32)");
-  m.def("paged_mla_attention", &paged_mla_attention,
-        "absorbed MLA attention over a paged latent cache, one row of heads per query (fp32)");
-  m.attr("lanes") = kLanes;
-  bind_decode(m);
 }

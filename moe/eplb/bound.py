@@ -12,7 +12,7 @@ both algorithms and against brute force on tiny shapes.
 
 import torch
 
-from moe.eplb_groups import block_weights, group_partitions, quick_max
+from moe.eplb.groups import block_weights, group_partitions, quick_max
 
 _SLACK = 1e-9  # relative: float rounding may only make a bound smaller, never larger
 _STEPS = 40  # bisection steps at most
@@ -38,7 +38,7 @@ def lower_bound(
     Global: the largest of the mean load W / R and the slot bound (`slot_bound`). A hierarchical
     placement (num_groups % num_nodes == 0 and num_nodes > 1) is also a global one, so those hold
     for it too; and it puts some partition of the groups on the nodes, each node's experts on its
-    R / N GPUs with its S / N slots. When the partitions are few (moe.eplb_groups): the least, over
+    R / N GPUs with its S / N slots. When the partitions are few (moe.eplb.groups): the least, over
     partitions, of the largest, over their nodes, of the node's slot bound (at least the node's
     mean). Else: the node bound (`group_bound`), and for every group the slot bound of that group
     alone on its node, with the node's S / N slots less one per expert of the other groups there

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <vector>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 namespace {
 

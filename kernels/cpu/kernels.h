@@ -1,6 +1,5 @@
-// The compiled CPU kernels' entry points (fp32), defined in kernels/cpu_gemm.cpp,
-// kernels/cpu_attention.cpp and kernels/cpu_ops.cpp; kernels/cpu_decode.cpp calls them in a
-// decode layer's order, and cpu_gemm.cpp binds them for Python.
+// The compiled CPU kernels' entry points (fp32), defined in gemm.cpp, attention.cpp and ops.cpp;
+// decode_layer.cpp calls them in a decode layer's order, and bindings.cpp binds them for Python.
 #pragma once
 
 #include <torch/extension.h>
@@ -35,5 +34,5 @@ void write_rows(torch::Tensor& cache, const torch::Tensor& slots, const torch::T
 std::vector<torch::Tensor> local_dispatch(const torch::Tensor& x, const torch::Tensor& topk_idx,
                                           const torch::Tensor& log2slot, int64_t num_slots);
 
-// kernels/cpu_decode.cpp: the DecodeLayer class
+// kernels/cpu/decode_layer.cpp: the DecodeLayer class
 void bind_decode(pybind11::module& m);

@@ -1,4 +1,4 @@
-// The vector layer of the CPU kernels (kernels/cpu_gemm.cpp, kernels/cpu_attention.cpp): one
+// The vector layer of the CPU kernels (kernels/cpu/gemm.cpp, kernels/cpu/attention.cpp): one
 // fp32 vector type for the width the build targets (AVX-512: 16 lanes, else AVX2 + FMA: 8), the
 // dot-product tile both kernels are made of, and an exp accurate to a few ulp.
 //
@@ -110,7 +110,7 @@ inline vec vexp(vec x) {
 // hardware prefetcher falls behind: streaming weights from memory dropped from ~31 to ~15 GB/s
 // on one core at 6 rows.
 // PACKED: x is this tile's rows as pack_rows lays them out ([K / kLanes][MX][kLanes]), one
-// sequential stream where row-major rows are MX streams (cpu_gemm.cpp packs them);
+// sequential stream where row-major rows are MX streams (gemm.cpp packs them);
 // the same values summed in the same order.
 template <int NW, int MX, bool PACKED = false>
 inline void dot_tile(const float* const* w, const float* x, int64_t ldx, int64_t K, float* out,

@@ -9,17 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe.eplb import (
-    balanced_packing,
-    gpu_loads,
-    rebalance_experts,
-    rebalance_hierarchical,
-    replicate_experts,
-)
-from moe.eplb_bound import lower_bound
-from moe.eplb_groups import group_partitions
-from moe.eplb_search import pack_rounds
-from tests.moe.eplb_cases import assert_valid, brute_force_optimum, max_load, zipf_weight
+from moe.eplb import gpu_loads, rebalance_experts
+from moe.eplb.bound import lower_bound
+from moe.eplb.greedy import balanced_packing, replicate_experts
+from moe.eplb.groups import group_partitions
+from moe.eplb.rebalance import rebalance_hierarchical
+from moe.eplb.search import pack_rounds
+from tests.moe.eplb.eplb_cases import assert_valid, brute_force_optimum, max_load, zipf_weight
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

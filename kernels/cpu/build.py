@@ -1,7 +1,6 @@
-"""The compiled CPU kernels: kernels/cpu_gemm.cpp (y = x @ W.T, the routed experts' MLPs in one
-call per layer), kernels/cpu_attention.cpp (absorbed MLA attention over the paged cache) and
-kernels/cpu_ops.cpp (the step's small ops: RMSNorm, rotary, the gate, the expert combine),
-fp32, built on first use by torch's cpp_extension for the widest vectors the CPU has.
+"""The build of the compiled CPU kernels (the sources beside this file, kernels/cpu/__init__.py
+lists them): fp32, built on first use by torch's cpp_extension for the widest vectors the CPU
+has, one extension module per checkout and CPU kind.
 
 They exist because torch's CPU paths leave most of this machine unused at decode sizes: MKL
 packs every weight matrix on each call (5-16 GB/s for a few rows, where the machine reads ~45),
@@ -26,8 +25,8 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_ops.cpp", "cpu_decode.cpp")
-HEADERS = ("cpu_simd.h", "cpu_kernels.h")
+SOURCES = ("gemm.cpp", "attention.cpp", "ops.cpp", "decode_layer.cpp", "bindings.cpp")
+HEADERS = ("simd.h", "kernels.h")
 FLAGS = {
     "AVX512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"],
     "AVX2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],

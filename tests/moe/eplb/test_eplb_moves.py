@@ -4,10 +4,15 @@ and alignment (relabeling GPUs and slots changes no load)."""
 import pytest
 import torch
 
-from moe.eplb import gpu_loads, rebalance_experts
-from moe.eplb_moves import align_placement, count_moves, rebalance_experts_with_moves
+from moe.eplb import (
+    align_placement,
+    count_moves,
+    gpu_loads,
+    rebalance_experts,
+    rebalance_experts_with_moves,
+)
 from moe.placement import build_log2phy
-from tests.moe.eplb_cases import assert_valid, max_load, zipf_weight
+from tests.moe.eplb.eplb_cases import assert_valid, max_load, zipf_weight
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,86 +1,111 @@
-"""A decode step's decoder layers in one call each on CPU (kernels/cpu_decode.cpp DecodeLayer):
-the kernels of the Python layer code (moe/model.py DecoderLayer.stages), in its order, on the
-same tensors, so the numbers are bit for bit the same, without the ~2 ms of Python and torch
-glue a batch-1 step of `small` spent between its ~134 kernel calls.
+"""A decode step's decoder layers in one call each on CPU (kernels/cpu/decode_layer.cpp
+DecodeLayer): the kernels of the Python layer code (moe/model.py DecoderLayer.stages), in its
+order, on the same tensors, so the numbers are bit for bit the same, without the ~2 ms of Python
+and torch glue a batch-1 step of `small` spent between its ~134 kernel calls.
 
-It serves a step when the compiled CPU kernels run it (fp32 CPU tensors, EPCLUSTER_KERNELS
-auto) and every query takes the absorbed path (decode, short chunks over a cached prefix);
-otherwise, or with `enabled` False, the Python layers run. A dense layer, and an MoE layer whose
-dispatcher is a LocalDispatcher holding every expert, run whole; an expert-parallel MoE layer
-runs its attention half in one call and its MoE block in Python (the stages yield while its rows
-travel, as the Python layers do). The layer objects are built on first use and again when an
-MoE layer's dispatcher or expert weights change (the balancer swaps in new storage).
+ModelRunner chooses it, beside the CUDA graphs (engine/decode_graphs.py) and the Python layers:
+CpuDecode.layers gives the fused layers for a step when the compiled CPU kernels run it (fp32 CPU
+tensors, EPCLUSTER_KERNELS auto) and every query takes the absorbed path (decode, short chunks
+over a cached prefix), else None; the runner passes what it got to `model.stages(fused=...)`.
+A dense layer, and an MoE layer whose dispatcher is a LocalDispatcher holding every expert, run
+whole; an expert-parallel MoE layer runs its attention half in one call and its MoE block in
+Python (the stages yield while its rows travel, as the Python layers do). The layers are built on
+first use and again when an MoE layer's dispatcher or expert weights change (the balancer swaps
+in new storage).
 """
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kernels.backend import use_cpu_kernel
-from kernels.cpu import cpu_kernels
+from kernels.cpu.build import cpu_kernels
 from kernels.gate import SCORING_FUNCS, TOPK_METHODS
 from kernels.linear import panels
 from moe.attention import MLAttention, PagedKV
 from moe.dispatch import LocalDispatcher
 from moe.layers import MLP, Experts, MoE
+from moe.model import DecoderLayer, DeepseekForCausalLM
 from moe.overlap import Stages
 
 
-class FusedDecode:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model  # DeepseekForCausalLM
-        self.enabled = True
-        self._layers: list | None = None  # [(DecodeLayer, its MoE or None, whole layer)]
-        self._key: tuple | None = None
+@dataclass(frozen=True, slots=True)
+class FusedLayer:
+    """One decoder layer's compiled form: `decode` (a DecodeLayer), the layer's MoE block or
+    None (dense), and whether the whole layer runs compiled (else its MoE block runs in Python)."""
 
-    def _state(self) -> tuple:
-        """What the built layers depend on that can change after loading."""
-        key = []
-        for layer in self.model.model.layers:
-            mlp = layer.mlp
-            if isinstance(mlp, MoE):
-                experts = mlp.experts
-                key += [id(mlp.dispatcher), id(experts), experts.w13.data_ptr()]
-                key.append(experts.w2.data_ptr())
-        return tuple(key)
+    decode: Any  # cpu_kernels().DecodeLayer
+    moe: MoE | None
+    whole: bool
 
-    def layers(self, x: torch.Tensor, kv: PagedKV | None) -> list | None:
-        """The fused layers for a step over x [T, D] and kv, or None (the Python layers run)."""
-        if not self.enabled or kv is None or not kv.all_absorbed or not use_cpu_kernel(x):
-            return None
-        key = self._state()
-        if key != self._key:
-            self._layers = self._build()
-            self._key = key
-        return self._layers
 
-    def _build(self) -> list | None:
-        built = []
-        for layer in self.model.model.layers:
-            fused = _decode_layer(layer)
-            if fused is None:
-                return None
-            moe = layer.mlp if isinstance(layer.mlp, MoE) else None
-            built.append((fused, moe, moe is None or fused.moe))
-        return built
+@dataclass(frozen=True, slots=True)
+class DecodeLayers:
+    """Every decoder layer of a model, compiled: what ModelRunner passes as model.stages(fused=)."""
+
+    layers: tuple[FusedLayer, ...]
 
     def stages(
-        self, layers: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV
     ) -> Stages[torch.Tensor]:
         """x [T, D] through every layer -> [T, D] (before the final norm), yielding while an
         expert-parallel MoE layer's rows travel; the local MoE layers' load and row counts as
         their dispatchers would count them."""
         slots, tables, lens = kv.slot_mapping, kv.absorbed_tables, kv.absorbed_lens
         cos, sin = cos.contiguous(), sin.contiguous()
-        for (fused, moe, whole), cache in zip(layers, kv.kv_caches):
-            if whole:
+        for layer, cache in zip(self.layers, kv.kv_caches):
+            fused, moe = layer.decode, layer.moe
+            if layer.whole:
                 x, counts = fused.forward(x, cos, sin, cache, slots, tables, lens)
                 if moe is not None:
-                    d = moe.dispatcher
-                    d.load = counts if d.load is None else d.load + counts
-                    d.stats.rows += x.shape[0] * moe.gate.config.num_experts_per_tok
+                    moe.dispatcher.load.add(counts)
+                    moe.dispatcher.stats.rows += x.shape[0] * moe.gate.config.num_experts_per_tok
             else:
                 h1, h = fused.attention(x, cos, sin, cache, slots, tables, lens)
                 x = h1 + (yield from moe.stages(h))
         return x
+
+
+class CpuDecode:
+    """The fused layers of one model, built on first use and rebuilt when what they read
+    changes."""
+
+    def __init__(self, model: DeepseekForCausalLM) -> None:
+        self.model = model
+        self.built: DecodeLayers | None = None  # the layers last built (None: some cannot be)
+        self._key: tuple | None = None
+
+    def _state(self) -> tuple:
+        """What the built layers depend on that can change after loading."""
+        key = []
+        for moe in self.model.moe_layers():
+            experts = moe.experts
+            key += [id(moe.dispatcher), id(experts), experts.w13.data_ptr()]
+            key.append(experts.w2.data_ptr())
+        return tuple(key)
+
+    def layers(self, x: torch.Tensor, kv: PagedKV | None) -> DecodeLayers | None:
+        """The fused layers for a step whose hidden states have x's dtype and device over kv, or
+        None (the Python layers run it)."""
+        if kv is None or not kv.all_absorbed or not use_cpu_kernel(x):
+            return None
+        key = self._state()
+        if key != self._key:
+            self.built = _build(self.model)
+            self._key = key
+        return self.built
+
+
+def _build(model: DeepseekForCausalLM) -> DecodeLayers | None:
+    built = []
+    for layer in model.model.layers:
+        fused = _decode_layer(layer)
+        if fused is None:
+            return None
+        moe = layer.mlp if isinstance(layer.mlp, MoE) else None
+        built.append(FusedLayer(fused, moe, moe is None or fused.moe))
+    return DecodeLayers(tuple(built))
 
 
 def _fp32(*tensors: torch.Tensor) -> bool:
@@ -101,12 +126,12 @@ def _local(moe: MoE) -> bool:
         weights += [moe.shared_experts.w13, moe.shared_experts.down_proj.weight]
     if not _fp32(*weights):
         return False
-    if d._log2slot.device.type != "cpu" or bool((d._log2slot < 0).any()):
+    if d.log2slot.device.type != "cpu" or bool((d.log2slot < 0).any()):
         return False  # a subset of the experts: the Python path raises, naming them
     return moe.gate.config.n_routed_experts <= 256
 
 
-def _decode_layer(layer: torch.nn.Module):
+def _decode_layer(layer: DecoderLayer) -> Any | None:
     """A DecodeLayer for a DecoderLayer, or None when one of its weights cannot take it (not
     fp32 and contiguous, not prepared: see DeepseekForCausalLM.prepare)."""
     attn: MLAttention = layer.self_attn
@@ -149,7 +174,7 @@ def _decode_layer(layer: torch.nn.Module):
         d.method = TOPK_METHODS.index(c.topk_method)
         d.norm_topk, d.routed_scale = c.norm_topk_prob, c.routed_scaling_factor
         d.w13, d.w2 = experts.w13.detach(), experts.w2.detach()
-        d.log2slot, d.slots = dispatcher._log2slot, len(dispatcher.expert_ids)
+        d.log2slot, d.slots = dispatcher.log2slot, len(dispatcher.expert_ids)
         weights += [d.gate, d.w13, d.w2]
     if not _fp32(*weights):
         return None

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from moe.eplb_greedy import inverse_permutation, replicate_experts
-from moe.eplb_search import local_search, pack_rounds
+from moe.eplb.greedy import inverse_permutation, replicate_experts
+from moe.eplb.search import local_search, pack_rounds
 
 MAX_PARTITIONS = 1000
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from moe.eplb import rebalance_experts
-from moe.eplb_bound import group_bound, lower_bound, slot_bound
-from tests.moe.eplb_cases import brute_force_optimum, max_load, zipf_weight
+from moe.eplb.bound import group_bound, lower_bound, slot_bound
+from tests.moe.eplb.eplb_cases import brute_force_optimum, max_load, zipf_weight
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,6 +1,7 @@
 """Train the `tiny` preset: a DeepSeek-V3-layout MoE that has read Python's language reference.
 
-    python -m moe.train_tiny --out moe/weights/tiny
+    python -m tools.tiny.train            (from the repository root; writes moe/weights/tiny)
+    python -m tools.tiny.train --out /tmp/tiny --stop-after 3   (the first steps only)
 
 The text is `pydoc_data.topics` (the reference topics behind `help()`, about 465k characters of
 English, PSF License), which ships with every Python. The tokenizer is a byte-level BPE built from
@@ -33,9 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import moe
 from moe.presets import V3_DEFAULTS
-from moe.tiny_report import greedy, plot_losses
-from moe.tiny_routing import RouterLoad, load_stats
+from tools.tiny.report import greedy, plot_losses
+from tools.tiny.routing import RouterLoad, load_stats
 
 TEXT_SOURCE = "pydoc_data.topics (Python language reference topics, PSF License)"
 
@@ -283,17 +285,25 @@ def save(model, tok, out: Path) -> None:
 
 
 SAMPLE_PROMPTS = ("The", "A list", "In Python,", "A class", "Hello")
+# NOTE: where the package installs the weights (package-data of moe), not beside this tool.
+DEFAULT_OUT = Path(moe.__file__).parent / "weights" / "tiny"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "weights" / "tiny")
-    ap.add_argument("--steps", type=int, default=TrainConfig().steps)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder")
+    ap.add_argument("--steps", type=int, default=TrainConfig().steps, help="the schedule's length")
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="run only the schedule's first N steps (a smoke run; the checkpoint is not `tiny`)",
+    )
     args = ap.parse_args(argv)
     cfg = TrainConfig(steps=args.steps)
     start, load_at_start = time.perf_counter(), os.getloadavg()[0]
 
-    model, tok, record = train(cfg)
+    model, tok, record = train(cfg, stop_after=args.stop_after)
     save(model, tok, args.out)
     counts = RouterLoad(model, MODEL_CONFIG["n_routed_experts"])
     _, held_docs = corpus(cfg)
@@ -314,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_at_start": round(load_at_start, 2),  # the machine is shared
         "train_tokens": record["train_tokens"],
         "held_out_tokens": len(held),
-        "final_train_loss": round(sum(record["losses"][-50:]) / 50, 4),
+        "final_train_loss": round(sum(last := record["losses"][-50:]) / len(last), 4),
         "held_out_loss": record["held_out_final"],
         "held_out_curve": record["held_out"],
         "expert_load_held_out": expert_load,

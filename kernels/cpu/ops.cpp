@@ -3,7 +3,7 @@
 // the expert outputs, and the greedy argmax over the vocabulary (torch's took 0.5 ms for 32 x
 // 32000). At decode sizes each torch op costs a few microseconds of dispatch; a step
 // of the `small` preset ran about 2,000 of them (bench/step_profile.py).
-// kernels/cpu.py builds this file with kernels/cpu_gemm.cpp and kernels/cpu_attention.cpp.
+// kernels/cpu/build.py builds this file with kernels/cpu/gemm.cpp and kernels/cpu/attention.cpp.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-"""What moe/train_tiny.py reports about the checkpoint it saved: greedy samples through the
+"""What tools/tiny/train.py reports about the checkpoint it saved: greedy samples through the
 project's own model, and the loss curve as a PNG."""
 
 from pathlib import Path
@@ -10,8 +10,8 @@ import torch
 @torch.no_grad()
 def greedy(path: Path, prompt: str, max_new_tokens: int = 40) -> str:
     """The project's own model (moe.load_model) on the saved checkpoint, greedy, full recompute."""
+    from engine.tokenizer import load_tokenizer
     from moe.loader import load_model
-    from moe.tokenizer import load_tokenizer
 
     model = load_model(path)
     tok = load_tokenizer(path, model.config.vocab_size, model.config.eos_token_id)
@@ -32,7 +32,7 @@ def plot_losses(record: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     losses = torch.tensor(record["losses"])
-    window = 20
+    window = min(20, len(losses))  # a smoke run (--stop-after) has fewer steps
     smooth = losses.unfold(0, window, 1).mean(dim=1)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(range(1, len(losses) + 1), losses, color="0.8", lw=0.6, label="train (per step)")

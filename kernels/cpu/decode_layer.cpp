@@ -5,13 +5,13 @@
 //
 // Why: at batch 1 a `small` step made ~134 kernel calls with ~2 ms of Python and torch glue
 // between them (views, splits, dispatch handles, generator stages), ~15% of the step, spread
-// thin over the layer code (no line over ~1% under py-spy). moe/fused_decode.py builds one
+// thin over the layer code (no line over ~1% under py-spy). engine/cpu_decode.py builds one
 // DecodeLayer per layer after loading and calls forward() per layer: ~10 calls a step.
 #include <torch/extension.h>
 
 #include <vector>
 
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 namespace {
 
@@ -107,7 +107,7 @@ struct DecodeLayer {
 void bind_decode(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<DecodeLayer>(m, "DecodeLayer",
-                          "one decoder layer of a decode step (moe/fused_decode.py fills it)")
+                          "one decoder layer of a decode step (engine/cpu_decode.py fills it)")
       .def(py::init<>())
       .def_readwrite("input_norm", &DecodeLayer::input_norm)
       .def_readwrite("w_in", &DecodeLayer::w_in)

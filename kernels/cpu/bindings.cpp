@@ -1,0 +1,28 @@
+// The Python module of the compiled CPU kernels: the one PYBIND11_MODULE, binding the entry
+// points of gemm.cpp, attention.cpp and ops.cpp (declared in kernels.h) and decode_layer.cpp's
+// DecodeLayer. kernels/cpu/build.py builds it with them.
+#include <torch/extension.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mla_decode", &mla_decode,
+        "absorbed MLA decode: W_UK, attention over the paged cache, W_UV, in one call (fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, D] rows (fp32)");
+  m.def("rotary", &rotary, "rotary embedding of [T, (H,) Dr] (fp32)");
+  m.def("grouped_topk", &grouped_topk, "the MoE gate: scores and group-limited top-k (fp32)");
+  m.def("local_dispatch", &local_dispatch, "rows sorted by local expert slot (fp32)");
+  m.def("write_rows", &write_rows, "the paged cache write: cache rows slots[i] = rows[i] (fp32)");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, lowest index on ties (fp32)");
+  m.def("combine", &combine, "weighted sum of each token's expert rows (fp32)");
+  m.def("linear", &linear, "x @ w.T (fp32)");
+  m.def("pack_panels", &pack_panels, "w [N, K] laid out for linear_panels and mlp_panels");
+  m.def("linear_panels", &linear_panels, "x @ w.T, w packed by pack_panels (fp32)");
+  m.def("mlp_panels", &mlp_panels, "SiLU-gated MLP over weights packed by pack_panels (fp32)");
+  m.def("grouped_mlp", &grouped_mlp, "SiLU-gated expert MLPs over slot-sorted rows (fp32)");
+  m.def("paged_mla_attention", &paged_mla_attention,
+        "absorbed MLA attention over a paged latent cache, one row of heads per query (fp32)");
+  m.attr("lanes") = epc::kLanes;
+  bind_decode(m);
+}
