@@ -136,15 +136,3 @@ CATALOG: dict[str, Hardware] = {
         },
     ),
 }
-
-
-def get_hardware(name: str) -> Hardware:
-    """A catalog entry, or `cpu` (this machine, measured by probe.py, cached)."""
-    if name.lower() == "cpu":
-        from cluster.plan.probe import cpu_hardware
-
-        return cpu_hardware()
-    try:
-        return CATALOG[name.upper()]
-    except KeyError:
-        raise ValueError(f"gpu {name!r}: one of {[*CATALOG, 'cpu']}") from None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.plan.hardware import Efficiency, Hardware
+from cluster.plan.hardware import CATALOG, Efficiency, Hardware
 
 ALL_TO_ALL_BYTES = 16 * 2**20  # per rank per exchange
 
@@ -116,3 +116,13 @@ def cpu_hardware(refresh: bool = False, share: float = 1.0) -> Hardware:
                  f"cached in {cache_file()}"},
         efficiency=Efficiency(1.0, 1.0, 1.0),
     )  # fmt: skip
+
+
+def get_hardware(name: str) -> Hardware:
+    """A catalog entry, or `cpu` (this machine, measured by probe.py, cached)."""
+    if name.lower() == "cpu":
+        return cpu_hardware()
+    try:
+        return CATALOG[name.upper()]
+    except KeyError:
+        raise ValueError(f"gpu {name!r}: one of {[*CATALOG, 'cpu']}") from None

@@ -6,10 +6,10 @@ import json
 from dataclasses import replace
 
 from cluster.plan.cost import StepCost
-from cluster.plan.hardware import get_hardware
 from cluster.plan.memory import GIB, MemoryPlan
 from cluster.plan.models import load_model, model_names
 from cluster.plan.planner import ModelCosts, Plan, make_plan
+from cluster.plan.probe import get_hardware
 from cluster.plan.routing import load_expert_tokens
 from cluster.plan.search import Grid
 from cluster.plan.workload import BUILTIN, load_workload

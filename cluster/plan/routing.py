@@ -1,7 +1,7 @@
 """Routing statistics as an input of the cost model: tokens per expert per layer (as a running
 cluster counts them, or any measured or assumed load) -> the EPLB imbalance of an EP size,
 max / mean tokens per rank after DeepSeek's EPLB places the experts and their redundant copies
-(moe/eplb.py, the placement the cluster itself runs).
+(moe/eplb/, the placement the cluster itself runs).
 
 File format (JSON): {"tokens_per_expert": [[...E numbers...], ...one list per MoE layer]}, or
 one list of E numbers for every layer. Legend: L MoE layers, E experts, R ranks, S slots.

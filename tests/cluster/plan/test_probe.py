@@ -2,7 +2,7 @@
 
 import json
 
-from cluster.plan.hardware import get_hardware
+from cluster.plan.probe import get_hardware
 
 
 def test_cpu_hardware_from_the_cache(tmp_path, monkeypatch):
