@@ -104,13 +104,17 @@ class RankConfig:
     rank: int
     num_ranks: int
     engine: EngineConfig
+    # NOTE: the names below are the cluster config's (cluster/config.py), so that one name runs
+    # from the YAML to here: ray.torch_threads, ray.collective_timeout_s, routing.kv_p2p,
+    # routing.kv_lease_s, ports.rank_metrics_port.
     torch_threads: int = 1  # CPU ranks share the machine's cores
-    dist_timeout_s: float = 60.0  # collectives of the pool (and the p2p KV group)
-    kv_transport: str = "object_store"  # or "p2p": torch.distributed point-to-point
+    collective_timeout_s: float = 60.0  # collectives of the pool (and the p2p KV group)
+    kv_p2p: bool = False  # KV goes torch.distributed point to point (else the object store)
     kv_rank: int = 0  # this rank's index in the cluster-wide KV transport group (p2p)
     kv_world: int = 1
-    kv_timeout_s: float = 30.0  # a p2p KV transfer (and its turn) before it counts as failed
-    metrics_port: int | None = 0  # the first port /metrics tries (0: any free; None: off)
+    # a p2p KV transfer (and its turn) before it counts as failed: the decode reservation's lease
+    kv_lease_s: float = 30.0
+    rank_metrics_port: int | None = 0  # the first port /metrics tries (0: any free; None: off)
     placement: dict | None = None  # the expert placement to start with (Placement.to_dict)
 
     def __post_init__(self) -> None:
@@ -118,8 +122,6 @@ class RankConfig:
             raise ValueError(f"pool must be prefill or decode, got {self.pool!r}")
         if not 0 <= self.rank < self.num_ranks:
             raise ValueError(f"rank {self.rank} is outside a pool of {self.num_ranks}")
-        if self.kv_transport not in ("object_store", "p2p"):
-            raise ValueError(f"kv_transport must be object_store or p2p, got {self.kv_transport!r}")
 
     @property
     def dist_backend(self) -> str:
@@ -128,7 +130,7 @@ class RankConfig:
 
 class Rank(abc.ABC):
     def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
-        """transport: how prompt KV travels (default: config.kv_transport, built at join)."""
+        """transport: how prompt KV travels (default: config.kv_p2p decides, built at join)."""
         self.config = config
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
@@ -158,17 +160,16 @@ class Rank(abc.ABC):
         if ifname is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         if c.num_ranks > 1:
-            store = rendezvous_store(rdzv, c.num_ranks, c.rank, c.dist_timeout_s)
+            store = rendezvous_store(rdzv, c.num_ranks, c.rank, c.collective_timeout_s)
             dist.init_process_group(
                 c.dist_backend,
                 store=store,
                 rank=c.rank,
                 world_size=c.num_ranks,
-                timeout=timedelta(seconds=c.dist_timeout_s),
+                timeout=timedelta(seconds=c.collective_timeout_s),
             )
         if self.transport is None:
-            p2p = c.kv_transport == "p2p"
-            self.transport = self._p2p_transport(kv_rdzv) if p2p else ObjectStoreTransport()
+            self.transport = self._p2p_transport(kv_rdzv) if c.kv_p2p else ObjectStoreTransport()
         placement = Placement.from_dict(c.placement) if c.placement else None
         self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks, placement)
         self.loop = EngineLoop(
@@ -181,11 +182,11 @@ class Rank(abc.ABC):
 
         c = self.config
         if kv_rdzv is None:
-            raise ValueError("kv_transport p2p needs the KV group's rendezvous")
-        store = rendezvous_store(kv_rdzv, c.kv_world, c.kv_rank, c.dist_timeout_s)
+            raise ValueError("kv_p2p needs the KV group's rendezvous")
+        store = rendezvous_store(kv_rdzv, c.kv_world, c.kv_rank, c.collective_timeout_s)
         # the store's port tells groups apart: a rebuilt group is a new epoch
         return TorchP2PTransport(
-            store, c.kv_rank, c.kv_world, c.dist_backend, c.kv_timeout_s, epoch=kv_rdzv.port
+            store, c.kv_rank, c.kv_world, c.dist_backend, c.kv_lease_s, epoch=kv_rdzv.port
         )
 
     async def rejoin_kv(self, kv_rdzv: Rendezvous) -> None:
@@ -208,15 +209,16 @@ class Rank(abc.ABC):
     # ---- metrics ----
 
     def _serve_metrics(self, host: str) -> None:
-        """/metrics on `host` (the rank's node address), from config.metrics_port on: ranks
+        """/metrics on `host` (the rank's node address), from config.rank_metrics_port on: ranks
         that share a node take consecutive ports."""
         c = self.config
-        if c.metrics_port is None:
+        if c.rank_metrics_port is None:
             return
         registry = CollectorRegistry()
         collector = RankCollector(self.engine.stats, self._gauges, c.engine.model, c.pool, c.rank)
         registry.register(collector)
-        ports = [0] if c.metrics_port == 0 else list(range(c.metrics_port, c.metrics_port + 16))
+        first = c.rank_metrics_port
+        ports = [0] if first == 0 else list(range(first, first + 16))
         self.metrics = serve_metrics(registry, host, ports)
 
     def _gauges(self) -> dict[tuple[str, tuple[str, ...]], float]:
