@@ -118,13 +118,14 @@ class Cluster:
             self.config = c = self.config.resolve_gpus(ray.cluster_resources().get("GPU", 0))
             path = resolve_model_path(c.model)  # presets are written before the ranks race
             mc = ModelConfig.from_file(path)
+            prefill, decode = c.engine_config("prefill"), c.engine_config("decode")
             self.metrics = RouterMetrics(c.model)
             self.metrics.set_config(
                 prefill_ranks=c.prefill.num_ranks,
                 decode_ranks=c.decode.num_ranks,
                 block_size=c.engine.block_size,
                 kv_transport="p2p" if c.routing.kv_p2p else "object_store",
-                two_batch_overlap=f"{c.prefill.two_batch_overlap}/{c.decode.two_batch_overlap}",
+                two_batch_overlap=f"{prefill.two_batch_overlap}/{decode.two_batch_overlap}",
                 dtype=c.dtype,
             )
             opened = open_pools(c)
@@ -133,9 +134,7 @@ class Cluster:
             self.backend = ClusterBackend(
                 self.pools["prefill"].handles(),
                 self.pools["decode"].handles(),
-                build_model_info(
-                    c.model, mc, mc.max_position_embeddings, c.engine_config("decode").torch_dtype
-                ),
+                build_model_info(c.model, mc, mc.max_position_embeddings, decode.torch_dtype),
                 load_tokenizer(path, mc.vocab_size, mc.eos_token_id, mc.bos_token_id),
                 c.engine.block_size,
                 c.routing,
