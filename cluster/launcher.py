@@ -19,7 +19,7 @@ from cluster.attach import open_pools
 from cluster.config import ClusterConfig
 from cluster.config_sections import SecurityConfig
 from cluster.pool import Pool
-from engine.metrics_server import MetricsServer
+from engine.metrics.server import MetricsServer
 from engine.model_info import build_model_info
 from engine.tokenizer import load_tokenizer
 from moe.config import ModelConfig

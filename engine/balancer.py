@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.messages import RebalanceStatus
-from engine.rank_metrics import RankStats
+from engine.metrics.rank import RankStats
 from moe.dispatch import AllToAllDispatcher
 from moe.eplb import gpu_loads, rebalance_experts
 from moe.eplb_moves import align_placement, count_moves, rebalance_experts_with_moves

@@ -25,8 +25,8 @@ from engine.kv_transfer import KVTransport, ObjectStoreTransport
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.messages import RankStatus, StepResult
-from engine.metrics_server import MetricsServer, serve_metrics
-from engine.rank_metrics import RankCollector
+from engine.metrics.rank import RankCollector
+from engine.metrics.server import MetricsServer, serve_metrics
 from moe.placement import Placement
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """epcluster's alerting rules (../../shared/OPERATIONS.md "Alerts"), and for each alert the
 series of a promtool unit test that makes it fire and a neighbouring case that keeps it silent.
 
-Thresholds on histograms are bucket boundaries of engine/metrics.py (a quantile between two
+Thresholds on histograms are bucket boundaries of engine/metrics/catalog.py (a quantile between two
 boundaries is an interpolation, not a measurement). Ratios carry a traffic floor and divide by
 `(x > 0)`, so an idle cluster is silent. Rank series carry `pool` and `rank`, router series
 `pool="router"`; router series about a pool name it `target_pool`.
