@@ -30,7 +30,8 @@ from cluster.config import ClusterConfig
 from cluster.handles import CONTROL, CONTROL_CONCURRENCY, DecodeHandle, PrefillHandle
 from decode_workers import DecodeWorker
 from engine.messages import RankStatus
-from engine.rank import RankConfig, Rendezvous
+from engine.rank import RankConfig
+from engine.rendezvous import Rendezvous
 from moe.placement import Placement
 from prefill_workers import PrefillWorker
 
