@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from engine.block_manager import blocks_for
 from engine.messages import (
     GenerateRequest,
     ModelInfo,
@@ -367,7 +368,7 @@ class ClusterBackend(ClusterStreams, ClusterAdmin):
         the free blocks changes (router/decode_room.py), so waiting costs the ranks no calls.
         Past reserve_wait_s while a pool re-forms it waits for the pool as a new request does
         (Unavailable after recovery_wait_s), then for room again."""
-        needed = -(-(len(route.wire.known_token_ids) + 1) // self.block_size)
+        needed = blocks_for(len(route.wire.known_token_ids) + 1, self.block_size)
         room, wait_s = self._room, self.routing.reserve_wait_s
         give_up = time.monotonic() + wait_s
         turn: Turn | None = None
