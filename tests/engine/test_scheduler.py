@@ -44,14 +44,14 @@ CASES = {
     "no blocks, no admission": Case(
         {"a": 8, "b": 12, "c": 1}, [[("a", 8)]], num_blocks=3, waiting=["b", "c"]
     ),
-    # three 4-token prompts take 3 of 4 blocks; their first decodes need a block each: a takes
-    # the last, b preempts the youngest (c) and takes its block; c cannot come back yet
+    # four prompts take 4 of 5 blocks; the first decodes of a and b need a block each (c's and
+    # d's fit theirs): a takes the last, b preempts the youngest (d), not the next in line (c)
     "youngest preempted": Case(
-        {"a": 4, "b": 4, "c": 4},
-        [[("a", 4), ("b", 4), ("c", 4)], [("a", 1), ("b", 1)]],
-        num_blocks=4,
-        waiting=["c"],
-        preempted={"c": 1},
+        {"a": 4, "b": 4, "c": 3, "d": 3},
+        [[("a", 4), ("b", 4), ("c", 3), ("d", 3)], [("a", 1), ("b", 1), ("c", 1)]],
+        num_blocks=5,
+        waiting=["d"],
+        preempted={"d": 1},
     ),
     # the youngest running request that finds no block preempts itself: b is not batched
     "preempts itself": Case(
