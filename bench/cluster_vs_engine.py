@@ -28,13 +28,15 @@ def run_cluster(model: str, requests, prefill: int, decode: int) -> tuple[float,
 
     config = ClusterConfig.load(
         None,
-        model=model,
-        port=0,
-        http_port=0,
-        metrics_port=0,
-        rank_metrics_port=0,
-        prefill_ranks=prefill,
-        decode_ranks=decode,
+        {
+            "model": model,
+            "ports.port": 0,
+            "ports.http_port": 0,
+            "ports.metrics_port": 0,  # beside a running epcluster
+            "ports.rank_metrics_port": 0,
+            "prefill.num_ranks": prefill,
+            "decode.num_ranks": decode,
+        },
     )
     with Cluster(config) as cluster:
 

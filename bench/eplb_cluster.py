@@ -70,15 +70,18 @@ def main() -> None:
     tokens = sum(n for _, n in requests)
     config = ClusterConfig.load(
         None,
-        model=args.model,
-        port=0,
-        http_port=0,
-        metrics_port=0,  # beside a running epcluster
-        rank_metrics_port=0,
-        prefill_ranks=2,
-        decode_ranks=2,
-        eplb_min_gain=0.0,
-        enable_prefix_caching=False,  # every run prefills for real: the prefill pool's load too
+        {
+            "model": args.model,
+            "ports.port": 0,
+            "ports.http_port": 0,
+            "ports.metrics_port": 0,  # beside a running epcluster
+            "ports.rank_metrics_port": 0,
+            "prefill.num_ranks": 2,
+            "decode.num_ranks": 2,
+            "engine.eplb_min_gain": 0.0,
+            # every run prefills for real: the prefill pool's load too
+            "engine.enable_prefix_caching": False,
+        },
     )
     with Cluster(config) as cluster, InferenceClient(cluster.address, timeout=600) as client:
         asyncio.run(stream_all(cluster.address, requests))  # warm-up

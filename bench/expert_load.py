@@ -35,7 +35,14 @@ def main() -> None:
     from router.client import AsyncInferenceClient, InferenceClient
 
     config = ClusterConfig.load(
-        None, model="tiny", port=0, http_port=0, metrics_port=0, rank_metrics_port=0
+        None,
+        {
+            "model": "tiny",
+            "ports.port": 0,
+            "ports.http_port": 0,
+            "ports.metrics_port": 0,  # beside a running epcluster
+            "ports.rank_metrics_port": 0,
+        },
     )
     with Cluster(config) as cluster:
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from bench.common import record
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.rank_metrics import RankCollector
+from engine.metrics.rank import RankCollector
 
 
 def main() -> None:

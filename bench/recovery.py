@@ -129,14 +129,16 @@ def main() -> None:
     # baseline's prefill nearly free while a re-formed prefill pool starts with an empty cache.
     config = ClusterConfig.load(
         None,
-        model=args.model,
-        port=0,
-        http_port=0,
-        metrics_port=0,  # beside a running epcluster
-        rank_metrics_port=0,
-        prefill_ranks=2,
-        decode_ranks=2,
-        enable_prefix_caching=False,
+        {
+            "model": args.model,
+            "ports.port": 0,
+            "ports.http_port": 0,
+            "ports.metrics_port": 0,  # beside a running epcluster
+            "ports.rank_metrics_port": 0,
+            "prefill.num_ranks": 2,
+            "decode.num_ranks": 2,
+            "engine.enable_prefix_caching": False,
+        },
     )
     with Cluster(config) as cluster:
         asyncio.run(stream_all(cluster.address, requests))  # warm-up

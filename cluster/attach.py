@@ -17,7 +17,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster import registry
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import ClusterConfig
+from cluster.config_checks import ConfigError
 from cluster.pool import Pool, RankIdentity, identity_mismatch
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def open_pools(config: ClusterConfig) -> OpenedPools:
     """The config's pools on the connected Ray cluster: attached to when its record exists,
     otherwise started (actors created; Cluster starts them). Raises ConfigError when the running
     pools do not match the config."""
-    record = registry.read(config.cluster_name)
+    record = registry.read(config.ray.cluster_name)
     if record is None:
         cluster_id = uuid.uuid4().hex[:12]
         pools = {name: Pool(name, config, cluster_id) for name in registry.POOLS}
@@ -61,7 +62,7 @@ def open_pools(config: ClusterConfig) -> OpenedPools:
     log.info(
         "attached to the running pools of cluster %r (prefill generation %d, decode generation "
         "%d) in %.2f s%s",
-        config.cluster_name,
+        config.ray.cluster_name,
         opened.pools["prefill"].generation,
         opened.pools["decode"].generation,
         time.monotonic() - started,
@@ -78,7 +79,7 @@ def _check(config: ClusterConfig, pool: Pool, opened: OpenedPools) -> str | None
         return f"ranks {missing} are gone"
     refs = [a.describe.remote() for a in pool.actors]
     try:
-        identities: list[RankIdentity] = ray.get(refs, timeout=config.rank_call_timeout_s)
+        identities: list[RankIdentity] = ray.get(refs, timeout=config.calls.rank_call_timeout_s)
     except (RayActorError, GetTimeoutError) as e:
         return f"a rank does not answer: {type(e).__name__}"
     diffs = [
@@ -92,10 +93,10 @@ def _check(config: ClusterConfig, pool: Pool, opened: OpenedPools) -> str | None
 
 
 def _refuse(config: ClusterConfig, pool: str, diffs: list[str]) -> ConfigError:
-    where = config.ray_address or "the local Ray"
+    where = config.ray.ray_address or "the local Ray"
     return ConfigError(
-        f"the {pool} pool of cluster {config.cluster_name!r} already runs on {where} with "
+        f"the {pool} pool of cluster {config.ray.cluster_name!r} already runs on {where} with "
         f"another config ({'; '.join(diffs[:6])}): start this router with the config the pools "
         f"run, or remove them first (`epcluster stop --address {where} --cluster-name "
-        f"{config.cluster_name}`), or use another cluster_name"
+        f"{config.ray.cluster_name}`), or use another ray.cluster_name"
     )

@@ -179,33 +179,43 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
+# `epcluster serve` flag -> the config field it sets, by its dotted path
+SERVE_FLAGS = {
+    "model": "model",
+    "prefill_ranks": "prefill.num_ranks",
+    "decode_ranks": "decode.num_ranks",
+    "host": "ports.host",
+    "port": "ports.port",
+    "address": "ray.ray_address",
+    "cluster_name": "ray.cluster_name",
+    "kv_cache_bytes": "engine.kv_cache_bytes",
+    "block_size": "engine.block_size",
+    "drain_timeout": "drain_timeout_s",
+    "http_port": "ports.http_port",
+    "metrics_port": "ports.metrics_port",
+    "rank_metrics_port": "ports.rank_metrics_port",
+    "auth_token_file": "security.auth_token_file",
+    "tls_cert_file": "security.tls_cert_file",
+    "tls_key_file": "security.tls_key_file",
+    "tls_client_ca_file": "security.tls_client_ca_file",
+    "admin_token_file": "security.admin_token_file",
+}
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The config fields the `serve` flags set (None: a flag not given, the file's value stays)."""
+    out: dict[str, object] = {path: getattr(args, flag) for flag, path in SERVE_FLAGS.items()}
+    if args.kv_transport is not None:
+        out["routing.kv_p2p"] = args.kv_transport == "p2p"
+    out["security.allow_insecure_bind"] = args.allow_insecure_bind or None
+    return out
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.config import ClusterConfig
 
-    config = ClusterConfig.load(
-        args.config,
-        model=args.model,
-        prefill_ranks=args.prefill_ranks,
-        decode_ranks=args.decode_ranks,
-        host=args.host,
-        port=args.port,
-        ray_address=args.address,
-        cluster_name=args.cluster_name,
-        kv_cache_bytes=args.kv_cache_bytes,
-        block_size=args.block_size,
-        kv_transport=args.kv_transport,
-        drain_timeout_s=args.drain_timeout,
-        http_port=args.http_port,
-        metrics_port=args.metrics_port,
-        rank_metrics_port=args.rank_metrics_port,
-        auth_token_file=args.auth_token_file,
-        tls_cert_file=args.tls_cert_file,
-        tls_key_file=args.tls_key_file,
-        tls_client_ca_file=args.tls_client_ca_file,
-        admin_token_file=args.admin_token_file,
-        allow_insecure_bind=args.allow_insecure_bind or None,
-    )
-    if config.ray_address is None:
+    config = ClusterConfig.load(args.config, serve_overrides(args))
+    if config.ray.ray_address is None:
         # A local Ray stays on loopback; Ray reads this when it is first imported.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from cluster.launcher import Cluster
@@ -213,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"epcluster: starting {config.model}: prefill {config.prefill.num_ranks} ranks, "
         f"decode {config.decode.num_ranks} ranks, Ray "
-        f"{config.ray_address or 'local'}",
+        f"{config.ray.ray_address or 'local'}",
         flush=True,
     )
     stop = threading.Event()
@@ -258,18 +268,18 @@ def cmd_stop(args: argparse.Namespace) -> int:
     groups and the record a new router would attach through (cluster/registry.py)."""
     from cluster.config import ClusterConfig
 
-    config = ClusterConfig.load(args.config, cluster_name=args.cluster_name)
+    config = ClusterConfig.load(args.config, {"ray.cluster_name": args.cluster_name})
     import ray
 
     from cluster import registry
 
     ray.init(address=args.address, namespace=registry.NAMESPACE, log_to_driver=False)
     try:
-        removed = registry.remove_pools(config.cluster_name)
+        removed = registry.remove_pools(config.ray.cluster_name)
     finally:
         ray.shutdown()
     if not removed:
-        print(f"epcluster: no pools of cluster {config.cluster_name!r} on {args.address}")
+        print(f"epcluster: no pools of cluster {config.ray.cluster_name!r} on {args.address}")
         return 1
     print(f"epcluster: removed {', '.join(removed)}", flush=True)
     return 0
@@ -305,7 +315,7 @@ def client_security(args: argparse.Namespace):
     )  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = sub.add_parser("stop", help="remove a cluster's pools from a Ray cluster for good")
     stop.add_argument("--address", default="auto", help="the Ray cluster (auto, or host:port)")
     stop.add_argument("--cluster-name", help="whose pools (default: the config's, or default)")
-    stop.add_argument("--config", help="take cluster_name from this YAML file")
+    stop.add_argument("--config", help="take ray.cluster_name from this YAML file")
     stop.set_defaults(func=cmd_stop)
 
     gen = sub.add_parser("generate", help="generate a continuation (in-process or via --target)")
@@ -386,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.plan.report import add_plan_parser
 
     add_plan_parser(sub)  # epcluster plan (cluster/plan/, docs/planning.md)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         return args.func(args)

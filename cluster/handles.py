@@ -10,7 +10,7 @@ Every call has a timeout, and liveness is kept apart from work:
   Status calls travel in the actors' own "control" concurrency group, so thousands of queued
   prefills or a slow KV fetch never delay them.
 - Decode `start` has its own, longer timeout (kv_start_timeout_s: the KV's turn and transfer,
-  each up to kv_transfer_timeout_s, and its import); a `start` that times out, or whose KV object
+  each up to routing.kv_lease_s, and its import); a `start` that times out, or whose KV object
   is lost (ObjectLostError, OwnerDiedError), raises KVTransferError: that request resumes with
   a new attempt, no pool re-forms.
 Any other exception the rank raised comes back as that exception (its message, without Ray's

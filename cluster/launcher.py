@@ -17,17 +17,15 @@ from ray._private import ray_constants
 from cluster import registry
 from cluster.attach import open_pools
 from cluster.config import ClusterConfig
+from cluster.config_sections import SecurityConfig
 from cluster.pool import Pool
-from engine.metrics_server import MetricsServer
+from engine.metrics.server import MetricsServer
 from engine.model_info import build_model_info
 from engine.tokenizer import load_tokenizer
 from moe.config import ModelConfig
 from moe.loader import resolve_model_path
-from router.admission import AdmissionConfig
 from router.auth import ServerSecurity, read_token
 from router.backends.cluster import ClusterBackend
-from router.backends.pools import HealthConfig
-from router.backends.routing import RoutingConfig
 from router.metrics import RouterMetrics
 from router.server import RouterServer
 
@@ -86,12 +84,11 @@ def chat_template(checkpoint) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def server_security(c: ClusterConfig) -> ServerSecurity:
+def server_security(s: SecurityConfig) -> ServerSecurity:
     """The router's ports' security from the config's files (router/auth.py)."""
     return ServerSecurity.from_files(
-        c.auth_token_file, c.tls_cert_file, c.tls_key_file, c.tls_client_ca_file,
-        c.admin_token_file,
-    )  # fmt: skip
+        s.auth_token_file, s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file, s.admin_token_file
+    )
 
 
 class Cluster:
@@ -121,13 +118,14 @@ class Cluster:
             self.config = c = self.config.resolve_gpus(ray.cluster_resources().get("GPU", 0))
             path = resolve_model_path(c.model)  # presets are written before the ranks race
             mc = ModelConfig.from_file(path)
+            prefill, decode = c.engine_config("prefill"), c.engine_config("decode")
             self.metrics = RouterMetrics(c.model)
             self.metrics.set_config(
                 prefill_ranks=c.prefill.num_ranks,
                 decode_ranks=c.decode.num_ranks,
-                block_size=c.block_size,
-                kv_transport=c.kv_transport,
-                two_batch_overlap=f"{c.prefill.two_batch_overlap}/{c.decode.two_batch_overlap}",
+                block_size=c.engine.block_size,
+                kv_transport="p2p" if c.routing.kv_p2p else "object_store",
+                two_batch_overlap=f"{prefill.two_batch_overlap}/{decode.two_batch_overlap}",
                 dtype=c.dtype,
             )
             opened = open_pools(c)
@@ -136,20 +134,11 @@ class Cluster:
             self.backend = ClusterBackend(
                 self.pools["prefill"].handles(),
                 self.pools["decode"].handles(),
-                build_model_info(
-                    c.model, mc, mc.max_position_embeddings, c.engine_config("decode").torch_dtype
-                ),
+                build_model_info(c.model, mc, mc.max_position_embeddings, decode.torch_dtype),
                 load_tokenizer(path, mc.vocab_size, mc.eos_token_id, mc.bos_token_id),
-                c.block_size,
-                RoutingConfig(
-                    kv_lease_s=c.kv_transfer_timeout_s,
-                    reserve_wait_s=c.reserve_wait_s,
-                    recovery_wait_s=c.recovery_wait_s,
-                    max_resumes=c.max_resumes,
-                    kv_p2p=c.kv_transport == "p2p",
-                    eplb_interval_s=c.eplb_interval_s,
-                ),
-                HealthConfig(stall_timeout_s=c.rank_stall_timeout_s),
+                c.engine.block_size,
+                c.routing,
+                c.health,
                 control=self,
                 metrics=self.metrics,
             )
@@ -158,22 +147,22 @@ class Cluster:
             # for gateways, OpenAI HTTP when it has a port
             self.server = RouterServer(
                 self.backend,
-                c.host,
-                c.port,
-                admission=AdmissionConfig(c.max_queued_requests, c.max_queued_tokens),
-                ready_wait_s=c.recovery_wait_s,
+                c.ports.host,
+                c.ports.port,
+                admission=c.admission,
+                ready_wait_s=c.routing.recovery_wait_s,
                 metrics=self.metrics,
-                security=server_security(c),
+                security=server_security(c.security),
             )
             self.server.serve_vllm(c.model, path).start()
-            if c.http_port is not None:
+            if c.ports.http_port is not None:
                 port = self.server.serve_http(
-                    c.http_port, c.model, self.metrics.registry, chat_template(path)
+                    c.ports.http_port, c.model, self.metrics.registry, chat_template(path)
                 )
-                scheme = "http" if c.tls_cert_file is None else "https"
-                log.info("OpenAI-compatible HTTP on %s://%s:%d/v1", scheme, c.host, port)
+                scheme = "http" if c.security.tls_cert_file is None else "https"
+                log.info("OpenAI-compatible HTTP on %s://%s:%d/v1", scheme, c.ports.host, port)
             forming = self._start_pools(opened.to_form)
-            self.server.call(asyncio.wait_for(forming, c.start_timeout_s + PLACEMENT_GRACE_S))
+            self.server.call(asyncio.wait_for(forming, c.ray.start_timeout_s + PLACEMENT_GRACE_S))
             if not self.server.wait_ready(30):
                 raise RuntimeError("the pools started but the router never became ready")
             how = "attached to the running pools" if self.attached else "started its pools"
@@ -190,13 +179,14 @@ class Cluster:
         """host:port of the OpenAI-compatible HTTP server, if it runs."""
         if self.server is None or self.server.http_port is None:
             return None
-        return f"{self.config.host}:{self.server.http_port}"
+        return f"{self.config.ports.host}:{self.server.http_port}"
 
     def _serve_metrics(self) -> None:
         """The router's /metrics, and /sd/targets: Prometheus HTTP service discovery of every
         process (this router and each rank), so one scrape config finds them all."""
         c, backend = self.config, self.backend
-        if c.metrics_port is None:
+        ports, security = c.ports, c.security
+        if ports.metrics_port is None:
             return
         for pool in ("prefill", "decode"):
             self.metrics.child("epcluster_pool_ready", pool).set_function(
@@ -205,19 +195,27 @@ class Cluster:
         try:
             self.metrics_server = MetricsServer(
                 self.metrics.registry,
-                c.host,
-                c.metrics_port,
-                tls=server_security(c).ssl_context(client_auth=False) if c.metrics_tls else None,
-                token=None if c.metrics_token_file is None else read_token(c.metrics_token_file),
+                ports.host,
+                ports.metrics_port,
+                tls=(
+                    server_security(security).ssl_context(client_auth=False)
+                    if security.metrics_tls
+                    else None
+                ),
+                token=(
+                    None
+                    if security.metrics_token_file is None
+                    else read_token(security.metrics_token_file)
+                ),
             )
         except OSError as e:
             raise ValueError(
-                f"metrics_port {c.metrics_port} on {c.host} is taken ({e.strerror}; another "
-                "epcluster?): set metrics_port (--metrics-port) to a free port, 0 for any, or "
-                "null to serve no /metrics"
+                f"ports.metrics_port {ports.metrics_port} on {ports.host} is taken ({e.strerror}; "
+                "another epcluster?): set ports.metrics_port (--metrics-port) to a free port, 0 "
+                "for any, or null to serve no /metrics"
             ) from e
         router = {"pool": "router", "model_name": c.model}
-        if c.metrics_tls:  # Prometheus HTTP SD: scrape this target over https
+        if security.metrics_tls:  # Prometheus HTTP SD: scrape this target over https
             router["__scheme__"] = "https"
         self.metrics_server.routes["/sd/targets"] = lambda: [
             {"targets": [self.metrics_server.endpoint], "labels": router},
@@ -233,7 +231,7 @@ class Cluster:
         """Join the new actors of the pools `names` (all of them at a first start; none, or a
         broken one, when attaching); with p2p the others' ranks join the new KV group too."""
         kv_master = None
-        if self.config.kv_transport == "p2p" and names:
+        if self.config.routing.kv_p2p and names:
             kv_master = await self.pools["prefill"].kv_master()
         others = [a for n, p in self.pools.items() if n not in names for a in p.actors]
         await asyncio.gather(
@@ -252,8 +250,8 @@ class Cluster:
             pool.placement = placement
         started = time.monotonic()
         # then Pools retries: a new generation
-        wait = self.config.start_timeout_s + PLACEMENT_GRACE_S
-        if self.config.kv_transport != "p2p":
+        wait = self.config.ray.start_timeout_s + PLACEMENT_GRACE_S
+        if not self.config.routing.kv_p2p:
             await asyncio.wait_for(pool.reform(), wait)
         else:
             other = self.pools["decode" if name == "prefill" else "prefill"]
@@ -279,7 +277,7 @@ class Cluster:
         if ray.is_initialized():
             return
         c = self.config
-        if c.ray_address is None:
+        if c.ray.ray_address is None:
             # NOTE: a local Ray listens on every interface unless told otherwise; a development
             # or test cluster stays on loopback. Ray reads this switch once, when it is
             # imported: the variable reaches the processes ray.init starts, and the constant
@@ -290,9 +288,9 @@ class Cluster:
             ranks = c.prefill.num_ranks + c.decode.num_ranks
             # NOTE: address "local": with none, ray.init joins the cluster a `ray start` on
             # this machine last wrote to /tmp/ray/ray_current_cluster (even a dead one).
-            _start_local_ray(num_cpus=max(os.cpu_count() or 1, ranks * c.cpus_per_rank))
+            _start_local_ray(num_cpus=max(os.cpu_count() or 1, ranks * c.ray.cpus_per_rank))
         else:
-            ray.init(address=c.ray_address, namespace=registry.NAMESPACE, log_to_driver=False)
+            ray.init(address=c.ray.ray_address, namespace=registry.NAMESPACE, log_to_driver=False)
         self._owns_ray = True
 
     def shutdown(self, drain_s: float | None = None, remove_pools: bool | None = None) -> None:
@@ -313,7 +311,7 @@ class Cluster:
         if self.pools and remove_pools:
             for pool in self.pools.values():
                 pool.kill_actors()
-            log.info("removed: %s", ", ".join(registry.remove_pools(self.config.cluster_name)))
+            log.info("removed: %s", ", ".join(registry.remove_pools(self.config.ray.cluster_name)))
             # the file stores of this cluster's groups (ranks killed by SIGKILL leave theirs)
             for path in glob.glob(f"{tempfile.gettempdir()}/epcluster-{self.cluster_id}-*"):
                 with contextlib.suppress(OSError):
@@ -322,7 +320,7 @@ class Cluster:
             log.info(
                 "the pools of cluster %r keep running (a router started on this Ray cluster "
                 "attaches to them; `epcluster stop` removes them)",
-                self.config.cluster_name,
+                self.config.ray.cluster_name,
             )
         self.pools = {}
         if self._owns_ray:

@@ -30,7 +30,8 @@ from cluster.config import ClusterConfig
 from cluster.handles import CONTROL, CONTROL_CONCURRENCY, DecodeHandle, PrefillHandle
 from decode_workers import DecodeWorker
 from engine.messages import RankStatus
-from engine.rank import RankConfig, Rendezvous
+from engine.rank import RankConfig
+from engine.rendezvous import Rendezvous
 from moe.placement import Placement
 from prefill_workers import PrefillWorker
 
@@ -94,9 +95,9 @@ class Pool:
         """config: resolved (ClusterConfig.resolve_gpus); cluster_id: names its rendezvous.
         entry: the recorded pool to attach to (its actors are looked up, not started; a missing
         one is None in .actors); None: a new pool (placement group and actors started)."""
-        assert config.gpus_per_rank is not None, "resolve gpus_per_rank first"
+        assert config.ray.gpus_per_rank is not None, "resolve gpus_per_rank first"
         self.name, self.config, self.cluster_id = name, config, cluster_id
-        self.prefix = registry.actor_prefix(config.cluster_name, name)
+        self.prefix = registry.actor_prefix(config.ray.cluster_name, name)
         pool = getattr(config, name)
         self.num_ranks = pool.num_ranks
         # Index of each rank in the cluster-wide KV transport group: prefill ranks, then decode.
@@ -111,9 +112,9 @@ class Pool:
             return
         self.created = True  # new actors: start() joins them
         self.generation = -1 if entry is None else entry.generation
-        bundle = {"CPU": config.cpus_per_rank, **pool.resources}
-        if config.gpus_per_rank:
-            bundle["GPU"] = config.gpus_per_rank
+        bundle = {"CPU": config.ray.cpus_per_rank, **pool.resources}
+        if config.ray.gpus_per_rank:
+            bundle["GPU"] = config.ray.gpus_per_rank
         self.placement_group = placement_group(
             [bundle] * self.num_ranks, strategy="PACK", name=self.prefix, lifetime="detached"
         )
@@ -127,13 +128,13 @@ class Pool:
             r,
             self.num_ranks,
             c.engine_config(self.name),
-            c.torch_threads,
-            dist_timeout_s=c.collective_timeout_s,
-            kv_transport=c.kv_transport,
+            c.ray.torch_threads,
+            collective_timeout_s=c.ray.collective_timeout_s,
+            kv_p2p=c.routing.kv_p2p,
             kv_rank=self.kv_offset + r,
             kv_world=c.prefill.num_ranks + c.decode.num_ranks,
-            kv_timeout_s=c.kv_transfer_timeout_s,
-            metrics_port=c.rank_metrics_port,
+            kv_lease_s=c.routing.kv_lease_s,
+            rank_metrics_port=c.ports.rank_metrics_port,
             placement=self.placement,
         )
 
@@ -142,7 +143,7 @@ class Pool:
         return f"{self.prefix}-{r}{suffix}"
 
     def _create_actors(self) -> list:
-        c = self.config
+        c = self.config.ray
         # NOTE: concurrency groups are a class option (Ray refuses them in .options())
         actor_cls = ray.remote(concurrency_groups={CONTROL: CONTROL_CONCURRENCY})(
             WORKERS[self.name]
@@ -152,7 +153,7 @@ class Pool:
             actor_cls.options(
                 num_cpus=c.cpus_per_rank,
                 num_gpus=c.gpus_per_rank,
-                resources=getattr(c, self.name).resources,
+                resources=getattr(self.config, self.name).resources,
                 name=self.actor_name(r),
                 namespace=registry.NAMESPACE,
                 lifetime="detached",  # a router that dies leaves the ranks serving
@@ -171,12 +172,12 @@ class Pool:
         return registry.PoolRecord(self.generation, self.placement_group.id.hex(), names)
 
     def handles(self) -> list[PrefillHandle] | list[DecodeHandle]:
-        c = self.config
-        timeout = c.rank_call_timeout_s
+        calls = self.config.calls
+        timeout = calls.rank_call_timeout_s
         if self.name == "prefill":
             return [PrefillHandle(a, self.name, r, timeout) for r, a in enumerate(self.actors)]
         return [
-            DecodeHandle(a, self.name, r, timeout, self.kv_offset + r, c.kv_start_timeout_s)
+            DecodeHandle(a, self.name, r, timeout, self.kv_offset + r, calls.kv_start_timeout_s)
             for r, a in enumerate(self.actors)
         ]
 
@@ -194,7 +195,7 @@ class Pool:
         """Wait for the placement (at most start_timeout_s: a bundle Ray cannot place, e.g. its
         node is gone, would wait forever), form the process group, load the experts; -> per-rank
         readiness (every rank calls init at once: the group forms when all have joined)."""
-        wait = self.config.start_timeout_s
+        wait = self.config.ray.start_timeout_s
         try:
             await asyncio.wait_for(self.placement_group.ready(), wait)
         except TimeoutError:
@@ -228,14 +229,15 @@ class Pool:
         """Kill the pool's actors (and any stray of another generation: a router that died
         mid-re-form leaves some), start the next generation's in the same bundles (not joined
         yet: start() does that), and record them."""
-        strays = registry.pool_actors(self.config.cluster_name, self.name)
+        strays = registry.pool_actors(self.config.ray.cluster_name, self.name)
         self.kill_actors()
         for actor in strays.values():
             ray.kill(actor, no_restart=True)
         seen = [registry.generation_of(n) for n in strays]
         self.generation = max([self.generation, *seen]) + 1
         self.actors = self._create_actors()
-        registry.update_pool(self.config.cluster_name, self.cluster_id, self.name, self.record())
+        cluster_name = self.config.ray.cluster_name
+        registry.update_pool(cluster_name, self.cluster_id, self.name, self.record())
 
     def kill_actors(self) -> None:
         for actor in self.actors:
@@ -254,7 +256,7 @@ def identity_mismatch(pool: Pool, r: int, identity: RankIdentity) -> list[str]:
     want, got = pool.rank_config(r), identity.config
     diffs = [
         f"{field}: running {getattr(got, field)!r}, config {getattr(want, field)!r}"
-        for field in ("pool", "rank", "num_ranks", "torch_threads", "kv_transport", "kv_world")
+        for field in ("pool", "rank", "num_ranks", "torch_threads", "kv_p2p", "kv_world")
         if getattr(got, field) != getattr(want, field)
     ]
     diffs += [

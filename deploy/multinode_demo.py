@@ -18,9 +18,9 @@ def demo(nodes: Nodes) -> None:
         print(f"node {i}: namespace {nodes.names[i]} at {nodes.addr(i)}, offers {offers}")
     config = {
         "model": "tiny",
-        "host": nodes.addr(0),
-        "allow_insecure_bind": True,  # the demo's private network namespaces
-        "ray_address": nodes.ray_address,
+        "ports": {"host": nodes.addr(0)},
+        "security": {"allow_insecure_bind": True},  # the demo's private network namespaces
+        "ray": {"ray_address": nodes.ray_address},
         "prefill": {"num_ranks": 2, "resources": {"epcluster_prefill": 1}},
         "decode": {"num_ranks": 2, "resources": {"epcluster_decode": 1}},
     }

@@ -228,8 +228,9 @@ class Nodes:
     def serve(
         self, i: int, config: dict[str, Any], timeout: float = 300.0, echo: bool = False
     ) -> "Serve":
-        """`epcluster serve --config` (config: ClusterConfig fields) as the Ray driver on node
-        i; -> the running Serve, once it says it is ready. echo: print its output as it comes."""
+        """`epcluster serve --config` (config: a ClusterConfig tree, as deploy/config.example.yaml)
+        as the Ray driver on node i; -> the running Serve, once it says it is ready. echo: print
+        its output as it comes."""
         if not self._kernel_built:
             self._build_kernel(i)
         path = self.dir / f"serve-{len(self.procs)}.yaml"
@@ -243,7 +244,7 @@ class Nodes:
     def _build_kernel(self, i: int) -> None:
         """Build the ranks' CPU kernel (kernels/cpu/build.py) into the cluster's own torch
         extensions directory before any rank needs it. NOTE: a rank that builds it in its first
-        decode step stalls past rank_stall_timeout_s on a busy machine and is killed mid-build,
+        decode step stalls past health.stall_timeout_s on a busy machine and is killed mid-build,
         leaving torch's build lock for every later process to wait on; and the machine's shared
         directory is rebuilt whenever another checkout of the repo loads the kernel."""
         out = self.run(i, sys.executable, "-c", BUILD_KERNEL, capture_output=True, text=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.messages import RebalanceStatus
-from engine.rank_metrics import RankStats
+from engine.metrics.rank import RankStats
 from moe.dispatch import AllToAllDispatcher
 from moe.eplb import (
     align_placement,

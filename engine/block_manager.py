@@ -15,6 +15,11 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """The KV blocks that hold num_tokens tokens (the last one partly filled)."""
+    return -(-num_tokens // block_size)
+
+
 def _hash_block(prev: bytes, token_ids: Sequence[int]) -> bytes:
     tokens = array("q", token_ids)
     if sys.byteorder != "little":  # the router on another host must compute the same bytes
@@ -72,7 +77,7 @@ class BlockManager:
     # ---- allocation ----
 
     def _num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def _plan(self, token_ids: Sequence[int]) -> tuple[list[int], int] | None:
         """(reused block ids, number of fresh blocks) for token_ids, or None if they do not fit."""

@@ -7,6 +7,15 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class EngineConfigError(ValueError):
+    """A bad engine option; `field` names it, so a config that holds an EngineConfig (the
+    cluster's) can name it by its own path."""
+
+    def __init__(self, field: str, why: str, value: object) -> None:
+        super().__init__(f"engine option {field}: {why} (got {value!r})")
+        self.field, self.why, self.value = field, why, value
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "tiny"  # preset name or checkpoint directory
@@ -39,7 +48,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
             if not ok:
-                raise ValueError(f"engine option {name}: {why} (got {getattr(self, name)!r})")
+                raise EngineConfigError(name, why, getattr(self, name))
 
         need(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}")
         need(self.block_size >= 1, "block_size", "must be >= 1")

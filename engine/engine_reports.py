@@ -11,7 +11,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.handoff import Reservations
 from engine.messages import RankStatus
-from engine.rank_metrics import RankStats
+from engine.metrics.rank import RankStats
 from engine.scheduler import ScheduledBatch, Scheduler
 from moe.dispatch_handles import CommStats
 from moe.model import DeepseekForCausalLM

@@ -15,7 +15,7 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import update_text
 from engine.kv_transfer import KVTransferError, import_kv
 from engine.messages import GenerateRequest, KVPayload, RequestOutput
-from engine.rank_metrics import RankStats
+from engine.metrics.rank import RankStats
 from engine.request import Request
 from engine.tokenizer import Tokenizer
 

@@ -27,9 +27,9 @@ from engine.messages import (
     Resume,
     StepResult,
 )
+from engine.metrics.rank import RankStats
 from engine.model_info import PromptLimits, check_prompt
 from engine.model_runner import ModelRunner, RunOutput
-from engine.rank_metrics import RankStats
 from engine.request import Request
 from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler

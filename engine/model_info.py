@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.block_manager import blocks_for
 from engine.kv_transfer import kv_bytes_per_token
 from engine.messages import ModelInfo
 from moe.config import ModelConfig
@@ -65,7 +66,7 @@ def check_prompt(token_ids: list[int], limits: PromptLimits) -> list[int]:
             f"prompt has {n} tokens but the model's context is {limits.max_model_len}: "
             f"shorten it to at most {limits.max_model_len - 1} tokens"
         )
-    blocks = -(-(n + 1) // limits.block_size)
+    blocks = blocks_for(n + 1, limits.block_size)  # the prompt and the token it yields
     if blocks > limits.max_blocks:
         raise ValueError(
             f"prompt has {n} tokens and needs {blocks} KV blocks, but a KV cache here holds "

@@ -6,8 +6,6 @@ import abc
 import asyncio
 import logging
 import os
-import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -25,66 +23,12 @@ from engine.kv_transfer import KVTransport, ObjectStoreTransport
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.messages import RankStatus, StepResult
-from engine.metrics_server import MetricsServer, serve_metrics
-from engine.rank_metrics import RankCollector
+from engine.metrics.rank import RankCollector
+from engine.metrics.server import MetricsServer, serve_metrics
+from engine.rendezvous import Rendezvous, interface_of, rendezvous_store
 from moe.placement import Placement
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Rendezvous:
-    """Where a group's ranks meet: a name unique to this forming of the group (the file of a
-    file store, on one machine), the address and port of a TCP store (across machines), and the
-    group rank whose process hosts that store."""
-
-    name: str
-    addr: str
-    port: int
-    owner: int = 0
-
-    @property
-    def file(self) -> str:
-        return f"{tempfile.gettempdir()}/epcluster-{self.name}"
-
-
-def rendezvous_store(rdzv: Rendezvous, world_size: int, rank: int, timeout_s: float) -> dist.Store:
-    """On one machine (a loopback address) a file store, which listens on no port. Across
-    machines a TCP store whose server listens on the address it publishes alone (not on every
-    interface, as a store given only a port would)."""
-    if rdzv.addr.startswith("127."):
-        return dist.FileStore(rdzv.file, world_size)
-    timeout = timedelta(seconds=timeout_s)
-    if rank != rdzv.owner:
-        return dist.TCPStore(rdzv.addr, rdzv.port, world_size, is_master=False, timeout=timeout)
-    listener = socket.create_server((rdzv.addr, rdzv.port), family=_family(rdzv.addr), backlog=128)
-    return dist.TCPStore(
-        rdzv.addr,
-        rdzv.port,
-        world_size,
-        is_master=True,
-        timeout=timeout,
-        master_listen_fd=listener.detach(),
-        use_libuv=False,
-    )
-
-
-def interface_of(addr: str) -> str | None:
-    """The name of the network interface that holds IPv4 address `addr` (Linux), or None."""
-    import fcntl
-    import struct
-
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                req = struct.pack("256s", name.encode()[:15])
-                got = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
-            except OSError:  # no IPv4 address on it
-                continue
-            if got == addr:
-                return name
-    return None
 
 
 def _close_quietly(close: Callable[[], None]) -> None:
@@ -94,23 +38,23 @@ def _close_quietly(close: Callable[[], None]) -> None:
         log.warning("closing an old KV transport group failed: %r", e)
 
 
-def _family(addr: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in addr else socket.AF_INET
-
-
 @dataclass(frozen=True, slots=True)
 class RankConfig:
     pool: str  # "prefill" | "decode"
     rank: int
     num_ranks: int
     engine: EngineConfig
+    # NOTE: the names below are the cluster config's (cluster/config.py), so that one name runs
+    # from the YAML to here: ray.torch_threads, ray.collective_timeout_s, routing.kv_p2p,
+    # routing.kv_lease_s, ports.rank_metrics_port.
     torch_threads: int = 1  # CPU ranks share the machine's cores
-    dist_timeout_s: float = 60.0  # collectives of the pool (and the p2p KV group)
-    kv_transport: str = "object_store"  # or "p2p": torch.distributed point-to-point
+    collective_timeout_s: float = 60.0  # collectives of the pool (and the p2p KV group)
+    kv_p2p: bool = False  # KV goes torch.distributed point to point (else the object store)
     kv_rank: int = 0  # this rank's index in the cluster-wide KV transport group (p2p)
     kv_world: int = 1
-    kv_timeout_s: float = 30.0  # a p2p KV transfer (and its turn) before it counts as failed
-    metrics_port: int | None = 0  # the first port /metrics tries (0: any free; None: off)
+    # a p2p KV transfer (and its turn) before it counts as failed: the decode reservation's lease
+    kv_lease_s: float = 30.0
+    rank_metrics_port: int | None = 0  # the first port /metrics tries (0: any free; None: off)
     placement: dict | None = None  # the expert placement to start with (Placement.to_dict)
 
     def __post_init__(self) -> None:
@@ -118,8 +62,6 @@ class RankConfig:
             raise ValueError(f"pool must be prefill or decode, got {self.pool!r}")
         if not 0 <= self.rank < self.num_ranks:
             raise ValueError(f"rank {self.rank} is outside a pool of {self.num_ranks}")
-        if self.kv_transport not in ("object_store", "p2p"):
-            raise ValueError(f"kv_transport must be object_store or p2p, got {self.kv_transport!r}")
 
     @property
     def dist_backend(self) -> str:
@@ -128,7 +70,7 @@ class RankConfig:
 
 class Rank(abc.ABC):
     def __init__(self, config: RankConfig, transport: KVTransport | None = None) -> None:
-        """transport: how prompt KV travels (default: config.kv_transport, built at join)."""
+        """transport: how prompt KV travels (default: config.kv_p2p decides, built at join)."""
         self.config = config
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
@@ -158,17 +100,16 @@ class Rank(abc.ABC):
         if ifname is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         if c.num_ranks > 1:
-            store = rendezvous_store(rdzv, c.num_ranks, c.rank, c.dist_timeout_s)
+            store = rendezvous_store(rdzv, c.num_ranks, c.rank, c.collective_timeout_s)
             dist.init_process_group(
                 c.dist_backend,
                 store=store,
                 rank=c.rank,
                 world_size=c.num_ranks,
-                timeout=timedelta(seconds=c.dist_timeout_s),
+                timeout=timedelta(seconds=c.collective_timeout_s),
             )
         if self.transport is None:
-            p2p = c.kv_transport == "p2p"
-            self.transport = self._p2p_transport(kv_rdzv) if p2p else ObjectStoreTransport()
+            self.transport = self._p2p_transport(kv_rdzv) if c.kv_p2p else ObjectStoreTransport()
         placement = Placement.from_dict(c.placement) if c.placement else None
         self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks, placement)
         self.loop = EngineLoop(
@@ -181,11 +122,11 @@ class Rank(abc.ABC):
 
         c = self.config
         if kv_rdzv is None:
-            raise ValueError("kv_transport p2p needs the KV group's rendezvous")
-        store = rendezvous_store(kv_rdzv, c.kv_world, c.kv_rank, c.dist_timeout_s)
+            raise ValueError("kv_p2p needs the KV group's rendezvous")
+        store = rendezvous_store(kv_rdzv, c.kv_world, c.kv_rank, c.collective_timeout_s)
         # the store's port tells groups apart: a rebuilt group is a new epoch
         return TorchP2PTransport(
-            store, c.kv_rank, c.kv_world, c.dist_backend, c.kv_timeout_s, epoch=kv_rdzv.port
+            store, c.kv_rank, c.kv_world, c.dist_backend, c.kv_lease_s, epoch=kv_rdzv.port
         )
 
     async def rejoin_kv(self, kv_rdzv: Rendezvous) -> None:
@@ -208,15 +149,16 @@ class Rank(abc.ABC):
     # ---- metrics ----
 
     def _serve_metrics(self, host: str) -> None:
-        """/metrics on `host` (the rank's node address), from config.metrics_port on: ranks
+        """/metrics on `host` (the rank's node address), from config.rank_metrics_port on: ranks
         that share a node take consecutive ports."""
         c = self.config
-        if c.metrics_port is None:
+        if c.rank_metrics_port is None:
             return
         registry = CollectorRegistry()
         collector = RankCollector(self.engine.stats, self._gauges, c.engine.model, c.pool, c.rank)
         registry.register(collector)
-        ports = [0] if c.metrics_port == 0 else list(range(c.metrics_port, c.metrics_port + 16))
+        first = c.rank_metrics_port
+        ports = [0] if first == 0 else list(range(first, first + 16))
         self.metrics = serve_metrics(registry, host, ports)
 
     def _gauges(self) -> dict[tuple[str, tuple[str, ...]], float]:

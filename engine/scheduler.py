@@ -52,6 +52,9 @@ class Scheduler:
         while queue and budget > 0:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # NOTE: `while ... else`: the else runs only when append_slots succeeded (the loop
+            # ended without a break); a request that had to preempt itself breaks out and is
+            # neither kept nor batched. Preempting the youngest first keeps FCFS order.
             while not self.block_manager.append_slots(req.block_table, req.num_computed_tokens + n):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)

@@ -1,6 +1,6 @@
 """The router's metrics: requests as users see them (latencies measured at the gRPC edge),
 admission, the pools' health as the router watches it, and build and config info. Built from
-engine/metrics.py's catalog into a registry of the router's own; one instance per router."""
+engine/metrics/catalog.py's catalog into a registry of the router's own; one instance per router."""
 
 import importlib.metadata
 import os
@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.metrics import PRESET_CHILDREN, ROUTER, label_values, specs
+from engine.metrics.catalog import PRESET_CHILDREN, ROUTER, label_values, specs
 
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 

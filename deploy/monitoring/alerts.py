@@ -1,7 +1,7 @@
 """epcluster's alerting rules (../../shared/OPERATIONS.md "Alerts"), and for each alert the
 series of a promtool unit test that makes it fire and a neighbouring case that keeps it silent.
 
-Thresholds on histograms are bucket boundaries of engine/metrics.py (a quantile between two
+Thresholds on histograms are bucket boundaries of engine/metrics/catalog.py (a quantile between two
 boundaries is an interpolation, not a measurement). Ratios carry a traffic floor and divide by
 `(x > 0)`, so an idle cluster is silent. Rank series carry `pool` and `rank`, router series
 `pool="router"`; router series about a pool name it `target_pool`.
@@ -119,7 +119,7 @@ GROUPS = {
             "warning",
             "{{ $labels.pool }} rank {{ $labels.rank }} has work and makes no progress",
             "The engine thread has not stepped for over 10 s while holding requests (a stuck "
-            "collective?); the router re-forms the pool at rank_stall_timeout_s.",
+            "collective?); the router re-forms the pool at health.stall_timeout_s.",
             "1m",
             firing=[('epcluster_engine_stalled_seconds{pool="decode", rank="0"}', "20x10")],
             silent=[('epcluster_engine_stalled_seconds{pool="decode", rank="0"}', "0x10")],
@@ -340,7 +340,7 @@ GROUPS = {
             "warning",
             "{{ $labels.pool }}: expert load badly balanced",
             "The busiest rank sets every step's pace: run `epcluster rebalance` or set "
-            "eplb_interval_s.",
+            "routing.eplb_interval_s.",
             "30m",
             firing=[
                 (

@@ -1,7 +1,7 @@
 """The house rules for epcluster's boards and alerts (../../shared/OPERATIONS.md "Grafana" and
 "Alerts"), checked on the generated JSON and rule expressions by `generate.py --check`:
 
-- a panel or rule selects only series that engine/metrics.py's catalog defines (or `up`);
+- a panel or rule selects only series that engine/metrics/catalog.py's catalog defines (or `up`);
 - counters, and a histogram's _bucket/_sum/_count series (counters too), appear only inside
   rate/increase/changes: a raw counter's value means nothing across restarts;
 - a _bucket series feeds histogram_quantile, or is picked by an `le` matcher for an SLO ratio;
@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from deploy.monitoring.panels import DS
-from engine.metrics import SPECS
+from engine.metrics.catalog import SPECS
 
 RATE_FUNCS = {"rate", "irate", "increase", "changes", "resets", "absent", "absent_over_time"}
 LABEL_LISTS = {"by", "without", "on", "ignoring", "group_left", "group_right"}

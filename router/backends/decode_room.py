@@ -19,6 +19,7 @@ import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.block_manager import blocks_for
 from engine.messages import RankStatus
 from router.backend import Overloaded
 
@@ -108,7 +109,7 @@ class DecodeRoom:
         if any(a is taken for a in self._adjust[taken.rank]):
             self.untake(taken)  # no status has counted it yet
         else:
-            blocks = max(taken.blocks, -(-num_tokens // self.block_size))
+            blocks = max(taken.blocks, blocks_for(num_tokens, self.block_size))
             self._add(taken.rank, -blocks, FREED)
         self.wake()
 

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from engine.block_manager import blocks_for
 from engine.messages import RankStatus
 from router.backend import Overloaded
 from router.backends.attempt_waits import ABORTED, wait_for_pools, within
@@ -40,7 +41,7 @@ class DecodeReservations:
         calls.
         Past reserve_wait_s while a pool re-forms it waits for the pool as a new request does
         (Unavailable after recovery_wait_s), then for room again."""
-        needed = -(-(len(route.wire.known_token_ids) + 1) // self.block_size)
+        needed = blocks_for(len(route.wire.known_token_ids) + 1, self.block_size)
         room, wait_s = self.routes.room, self.routing.reserve_wait_s
         give_up = time.monotonic() + wait_s
         turn: Turn | None = None

@@ -26,16 +26,18 @@ def wait_quiet(client: InferenceClient, timeout: float = 20.0):
         time.sleep(0.05)
 
 
-def make_cluster(**overrides) -> Cluster:
+def make_cluster(overrides: dict[str, object] | None = None) -> Cluster:
+    """overrides: config fields by dotted path ("routing.kv_p2p"), over any free ports and the
+    tiny-random model."""
     defaults = {
-        "port": 0,
-        "http_port": 0,
-        "metrics_port": 0,
-        "rank_metrics_port": 0,
+        "ports.port": 0,
+        "ports.http_port": 0,
+        "ports.metrics_port": 0,
+        "ports.rank_metrics_port": 0,
         "model": "tiny-random",
     }
-    return Cluster(ClusterConfig.load(None, **{**defaults, **overrides}))
+    return Cluster(ClusterConfig.load(None, {**defaults, **(overrides or {})}))
 
 
-def start_cluster(**overrides) -> Cluster:
-    return make_cluster(**overrides).start()
+def start_cluster(overrides: dict[str, object] | None = None) -> Cluster:
+    return make_cluster(overrides).start()

@@ -19,7 +19,7 @@ LONG = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_cluster(max_queued_requests=40)
+    c = start_cluster({"admission.max_queued_requests": 40})
     yield c
     c.shutdown()
 

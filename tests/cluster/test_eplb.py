@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from cluster.config import PoolConfig
 from engine import LLM, SamplingParams
 from router.client import AsyncInferenceClient, InferenceClient
 from tests.cluster.conftest import start_cluster, wait_quiet
@@ -33,7 +32,7 @@ def loads_since(before, after):
 
 @pytest.fixture
 def cluster():  # gone before the next test starts a cluster of its own on the same Ray CPUs
-    c = start_cluster(model="tiny", eplb_min_gain=0.0)
+    c = start_cluster({"model": "tiny", "engine.eplb_min_gain": 0.0})
     yield c
     c.shutdown()
 
@@ -113,9 +112,7 @@ def test_a_saved_placement_starts_a_cluster(tmp_path_factory):
     path = tmp_path_factory.getbasetemp() / "placement.json"
     saved = json.loads(path.read_text())
     c = start_cluster(
-        model="tiny",
-        prefill=PoolConfig(placement_file=str(path)),
-        decode=PoolConfig(placement_file=str(path)),
+        {"model": "tiny", "prefill.placement_file": str(path), "decode.placement_file": str(path)}
     )
     try:
         with InferenceClient(c.address, timeout=120) as client:

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_cluster(rank_stall_timeout_s=4.0, max_queued_requests=64)
+    c = start_cluster({"health.stall_timeout_s": 4.0, "admission.max_queued_requests": 64})
     yield c
     c.shutdown()
 

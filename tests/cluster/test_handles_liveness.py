@@ -10,10 +10,13 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError, ObjectLostError, RayTaskError
 
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import ClusterConfig
+from cluster.config_checks import ConfigError
+from cluster.config_sections import CallsConfig
 from cluster.handles import CONTROL, DecodeHandle
 from engine.kv_transfer import KVTransferError
 from router.backends.pools import RankCallFailed, RankFailed
+from router.backends.routing import RoutingConfig
 
 
 class Method:
@@ -98,7 +101,8 @@ def test_status_goes_through_the_control_group_and_a_silent_one_is_a_miss():
 
 
 def test_the_start_timeout_must_leave_room_for_two_transfer_timeouts():
-    assert ClusterConfig().kv_start_timeout_s > 2 * ClusterConfig().kv_transfer_timeout_s
-    with pytest.raises(ConfigError, match="kv_start_timeout_s must be more than 2 x kv_transfer"):
-        ClusterConfig(kv_transfer_timeout_s=30.0, kv_start_timeout_s=60.0)
-    ClusterConfig(kv_transfer_timeout_s=3.0, kv_start_timeout_s=7.0)
+    default = ClusterConfig()
+    assert default.calls.kv_start_timeout_s > 2 * default.routing.kv_lease_s
+    with pytest.raises(ConfigError, match="kv_start_timeout_s must be more than 2 x routing.kv_"):
+        ClusterConfig(routing=RoutingConfig(kv_lease_s=30.0), calls=CallsConfig(60.0, 60.0))
+    ClusterConfig(routing=RoutingConfig(kv_lease_s=3.0), calls=CallsConfig(3.0, 7.0))

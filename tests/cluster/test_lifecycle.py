@@ -73,7 +73,14 @@ def test_startup_health_prompt_limits_and_clean_shutdown():
     seen: list = []
     stop = threading.Event()
     # 100 blocks of 16 tokens per rank (tiny: 3 layers x 40 numbers x 4 bytes per token)
-    cluster = make_cluster(port=port, prefill_ranks=1, decode_ranks=1, kv_cache_bytes=768_000)
+    cluster = make_cluster(
+        {
+            "ports.port": port,
+            "prefill.num_ranks": 1,
+            "decode.num_ranks": 1,
+            "engine.kv_cache_bytes": 768_000,
+        }
+    )
     # NOTE: Ray first: its processes must not be forked while another thread is inside gRPC.
     cluster.start_ray()
     watcher = threading.Thread(target=watch_health, args=(port, seen, stop))
@@ -138,8 +145,8 @@ def test_a_taken_metrics_port_is_a_clear_error_and_nothing_stays_up():
     port = taken.getsockname()[1]
     before = set(ray_descendants())
     try:
-        cluster = make_cluster(metrics_port=port)
-        with pytest.raises(ValueError, match=f"metrics_port {port} on 127.0.0.1 is taken"):
+        cluster = make_cluster({"ports.metrics_port": port})
+        with pytest.raises(ValueError, match=f"ports.metrics_port {port} on 127.0.0.1 is taken"):
             cluster.start()
         assert cluster.server is None  # nothing was bound
     finally:
@@ -201,7 +208,7 @@ def test_a_pool_ray_cannot_place_fails_the_start_naming_it_and_nothing_stays_up(
     after start_timeout_s with the pool named, and the start cleans up what it started."""
     before = set(ray_descendants())
     nowhere = {"num_ranks": 1, "resources": {"epcluster_nowhere": 1.0}}
-    cluster = make_cluster(start_timeout_s=3.0, prefill=nowhere, decode_ranks=1)
+    cluster = make_cluster({"ray.start_timeout_s": 3.0, "prefill": nowhere, "decode.num_ranks": 1})
     with pytest.raises(TimeoutError, match="the prefill pool's 1 bundles were not placed in 3 s"):
         cluster.start()
     assert cluster.pools == {} and cluster.server is None

@@ -25,10 +25,12 @@ BLOCKS = 64  # per rank, of 16 tokens: the context is lowered to 1024 tokens
 @pytest.fixture(scope="module")
 def cluster():
     c = start_cluster(
-        max_queued_requests=ADMISSION_CAP,
-        kv_cache_bytes=BLOCKS * 16 * 3 * 40 * 4,
-        reserve_wait_s=2.0,
-        kv_transfer_timeout_s=5.0,
+        {
+            "admission.max_queued_requests": ADMISSION_CAP,
+            "engine.kv_cache_bytes": BLOCKS * 16 * 3 * 40 * 4,
+            "routing.reserve_wait_s": 2.0,
+            "routing.kv_lease_s": 5.0,
+        }
     )
     yield c
     c.shutdown()

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from cluster.config import ClusterConfig
+from cluster.config_sections import PortsConfig, SecurityConfig
 from cluster.launcher import Cluster
 from router.metrics import RouterMetrics
 from tests.router.api.test_http_security import NO_RESPONSE, context, raw
@@ -37,10 +38,13 @@ def metrics_of(config: ClusterConfig) -> Cluster:
 
 
 def test_metrics_tls_and_token(pki):
-    config = ClusterConfig(
-        metrics_port=0, tls_cert_file=pki["server_cert"], tls_key_file=pki["server_key"],
-        metrics_tls=True, metrics_token_file=pki["token"],
-    )  # fmt: skip
+    security = SecurityConfig(
+        tls_cert_file=pki["server_cert"],
+        tls_key_file=pki["server_key"],
+        metrics_tls=True,
+        metrics_token_file=pki["token"],
+    )
+    config = ClusterConfig(ports=PortsConfig(metrics_port=0), security=security)
     server = metrics_of(config).metrics_server
     try:
         auth = f"Bearer {TOKEN}"
@@ -60,7 +64,7 @@ def test_metrics_tls_and_token(pki):
 
 
 def test_metrics_stay_plain_and_open_by_default(pki):
-    server = metrics_of(ClusterConfig(metrics_port=0)).metrics_server
+    server = metrics_of(ClusterConfig(ports=PortsConfig(metrics_port=0))).metrics_server
     try:
         status, _, body = raw(server.port, "/sd/targets", None)
         assert status == 200 and "__scheme__" not in json.loads(body)[0]["labels"]

@@ -65,14 +65,16 @@ def served(request, nodes):
     discovery URL)."""
     config = {
         "model": "tiny",
-        "host": nodes.addr(0),
-        "allow_insecure_bind": True,  # a private network namespace of this test's
-        "port": PORT,
-        "metrics_port": METRICS_PORT,
-        "rank_metrics_port": 9401,
-        "ray_address": nodes.ray_address,
-        "kv_transport": request.param,
-        "keep_pools": False,  # the next transport's router starts its own (a joined Ray keeps them)
+        "ports": {
+            "host": nodes.addr(0),
+            "port": PORT,
+            "metrics_port": METRICS_PORT,
+            "rank_metrics_port": 9401,
+        },
+        "security": {"allow_insecure_bind": True},  # a private network namespace of this test's
+        "routing": {"kv_p2p": request.param == "p2p"},
+        # keep_pools false: the next transport's router starts its own (a joined Ray keeps them)
+        "ray": {"ray_address": nodes.ray_address, "keep_pools": False},
         "prefill": {"num_ranks": 2, "resources": {"epcluster_prefill": 1}},
         "decode": {"num_ranks": 2, "resources": {"epcluster_decode": 1}},
     }

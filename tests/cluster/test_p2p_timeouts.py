@@ -24,7 +24,8 @@ CONCURRENCY = 8  # requests in flight at once, in both phases (L is measured und
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_cluster(kv_transport="p2p")  # tiny-random, 2 + 2 ranks, every timeout its default
+    # tiny-random, 2 + 2 ranks, every timeout its default
+    c = start_cluster({"routing.kv_p2p": True})
     yield c
     c.shutdown()
 

@@ -2,7 +2,7 @@
 serving the trained default model: the same tokens and text as the in-process engine, and no
 block left behind; a transfer that is lost resumes its request through the object store, the
 transport group is rebuilt, and later transfers go point to point again; no pool re-forms for it
-(a short kv_transfer_timeout_s keeps the lost transfer's wait short; test_p2p_timeouts runs the
+(a short routing.kv_lease_s keeps the lost transfer's wait short; test_p2p_timeouts runs the
 shipped defaults)."""
 
 import asyncio
@@ -22,11 +22,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def cluster():
     c = start_cluster(
-        model="tiny",
-        kv_transport="p2p",
-        prefill_ranks=1,
-        decode_ranks=2,
-        kv_transfer_timeout_s=3.0,
+        {
+            "model": "tiny",
+            "routing.kv_p2p": True,
+            "prefill.num_ranks": 1,
+            "decode.num_ranks": 2,
+            "routing.kv_lease_s": 3.0,
+        }
     )
     yield c
     c.shutdown()

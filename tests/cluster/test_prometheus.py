@@ -52,7 +52,7 @@ def total(prom: Prometheus, expr: str) -> float:
 @pytest.fixture(scope="module")
 def stack():
     """The cluster, Prometheus scraping it, and what the client was told of its requests."""
-    cluster = start_cluster(model="tiny")
+    cluster = start_cluster({"model": "tiny"})
     try:
         with Prometheus(scrape_config(cluster.metrics_server.endpoint)) as prom:
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

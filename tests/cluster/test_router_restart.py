@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
 NAME = "restart-test"
-LEASE_S = 4.0  # kv_transfer_timeout_s: the decode ranks' lease on a router
+LEASE_S = 4.0  # routing.kv_lease_s: the decode ranks' lease on a router
 KILLED_MAX_TOKENS = 2000  # the killed streams could run this long: they must end sooner
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
@@ -160,20 +160,22 @@ def head():
     assert h.members() == [], h.members()
 
 
-def router_config(head: Head, **overrides) -> dict:
+def router_config(head: Head, **engine: object) -> dict:
+    """engine: fields of the config's shared engine section."""
     return {
         "model": "tiny-random",
-        "host": "127.0.0.1",
-        "port": 0,
-        "http_port": None,
-        "metrics_port": None,
-        "rank_metrics_port": 0,
-        "ray_address": head.address,
-        "cluster_name": NAME,
-        "kv_transfer_timeout_s": LEASE_S,
+        "ports": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "http_port": None,
+            "metrics_port": None,
+            "rank_metrics_port": 0,
+        },
+        "ray": {"ray_address": head.address, "cluster_name": NAME},
+        "routing": {"kv_lease_s": LEASE_S},
+        "engine": engine,
         "prefill": {"num_ranks": 2},
         "decode": {"num_ranks": 2},
-        **overrides,
     }
 
 

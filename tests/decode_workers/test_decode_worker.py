@@ -11,7 +11,8 @@ from decode_workers import DecodeWorker
 from engine import LLM, EngineConfig, SamplingParams
 from engine.kv_transfer import KVTransferError, ObjectStoreTransport
 from engine.messages import GenerateRequest
-from engine.rank import RankConfig, Rendezvous
+from engine.rank import RankConfig
+from engine.rendezvous import Rendezvous
 from prefill_workers import PrefillWorker
 
 SOLO = Rendezvous("unused", "127.0.0.1", 0)  # a one-rank pool meets nobody

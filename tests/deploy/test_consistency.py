@@ -1,51 +1,43 @@
 """What the objects of each rendered kustomization must agree on: the router config against the
 pods, probes, Service, monitors and NetworkPolicies; pool sizes against worker groups."""
 
+import logging
 import re
-from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
-from cluster.config import ClusterConfig, PoolConfig
+from cluster.config import ClusterConfig
 from moe.presets import preset_names
 from router.api.v1_grpc import SERVICE_NAME
 from router.server import LIVENESS_SERVICE
 from tests.deploy.conftest import REPO, ports
 
-# Fields the router config will have (being implemented beside these manifests: the interface
-# the manifests are written against). test_config_loads loads the file with ClusterConfig
-# without those ClusterConfig does not know yet; empty these sets once it knows them all.
-PENDING: set[str] = set()
-PENDING_POOL: set[str] = set()
 RAY_PORTS = {6379, 8265, 10001, 8080, 52365}
 MAX_RANKS_PER_NODE = 16
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 
 
-def test_config_loads(cluster, tmp_path):
+def test_config_loads(cluster, tmp_path, caplog):
+    """The shipped config loads as it is, in the tree (no warning about old flat keys)."""
     config = dict(cluster.config)
-    for key in [k for k in config if k.endswith("_file") and k != "placement_file"]:
-        # a Secret's file in the pod (test_security.py checks the mount): a stand-in here
-        (tmp_path / key).write_text("stand-in")
-        config[key] = str(tmp_path / key)
-    known = {f.name for f in fields(ClusterConfig)}
-    pool_known = {f.name for f in fields(PoolConfig)}
-    assert set(config) - known <= PENDING, f"not config fields: {set(config) - known - PENDING}"
-    for key in set(config) - known:
-        del config[key]
-    for pool in ("prefill", "decode"):
-        unknown = set(config[pool]) - pool_known
-        assert unknown <= PENDING_POOL, f"{pool}: not pool fields: {unknown - PENDING_POOL}"
-        config[pool] = {k: v for k, v in config[pool].items() if k in pool_known}
+    security = dict(config.get("security", {}))
+    for key in security:
+        if key.endswith("_file"):
+            # a Secret's file in the pod (test_security.py checks the mount): a stand-in here
+            (tmp_path / key).write_text("stand-in")
+            security[key] = str(tmp_path / key)
+    config["security"] = security
     if config["model"] not in preset_names():  # a checkpoint on the nodes' volume, not here
         assert Path(config["model"]).is_absolute(), config["model"]
         config["model"] = "tiny"
-    ClusterConfig.from_dict(config)  # raises on a bad value
+    with caplog.at_level(logging.WARNING):
+        ClusterConfig.from_dict(config)  # raises on an unknown field or a bad value
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 def test_router_ports_and_probes_follow_the_config(cluster):
-    config, router = cluster.config, cluster.router
+    config, router = cluster.config["ports"], cluster.router
     assert config["host"] == "0.0.0.0"  # probes and the Service reach the pod IP
     assert ports(router) == {
         "grpc": config["port"],
@@ -60,7 +52,8 @@ def test_router_ports_and_probes_follow_the_config(cluster):
         "service": "epcluster.v1.Inference",
     }
     startup = router["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] > config["start_timeout_s"]
+    start_timeout_s = cluster.config["ray"]["start_timeout_s"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > start_timeout_s
 
 
 def test_liveness_watches_the_process_and_readiness_the_pools(cluster):
@@ -119,16 +112,16 @@ def test_pools_match_worker_groups(cluster):
         assert worker["name"] == "ray-worker"
         rank_ports = {n: p for n, p in ports(worker).items() if n.startswith("rank-metrics-")}
         assert rank_ports == {
-            f"rank-metrics-{i}": config["rank_metrics_port"] + i for i in range(per_pod)
+            f"rank-metrics-{i}": config["ports"]["rank_metrics_port"] + i for i in range(per_pod)
         }
         assert per_pod <= MAX_RANKS_PER_NODE
-        gpus = per_pod * config["gpus_per_rank"]
+        gpus = per_pod * config["ray"]["gpus_per_rank"]
         limits, requests = worker["resources"]["limits"], worker["resources"]["requests"]
         assert (
             int(limits.get("nvidia.com/gpu", 0)) == int(requests.get("nvidia.com/gpu", 0)) == gpus
         )
         # Ray sizes the node from the limits: room for every rank's CPU share
-        assert float(limits["cpu"]) >= per_pod * config["cpus_per_rank"]
+        assert float(limits["cpu"]) >= per_pod * config["ray"]["cpus_per_rank"]
     for c in cluster.head["containers"]:
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
 
@@ -159,7 +152,7 @@ def test_one_image_for_every_container(cluster):
         r"^ARG RAY_VERSION=(\S+)$", (REPO / "deploy" / dockerfile).read_text(), re.M
     )
     assert cluster.ray["spec"]["rayVersion"] == ray_version.group(1)
-    if cluster.config["gpus_per_rank"]:
+    if cluster.config["ray"]["gpus_per_rank"]:
         assert dockerfile == "Dockerfile"
 
 
@@ -186,11 +179,11 @@ def test_service_and_monitors_select_what_they_mean(cluster):
         assert not _labels_match(service["spec"]["selector"], _pod_labels(cluster, group))
     svc_ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert svc_ports["grpc"]["targetPort"] == "grpc"
-    assert svc_ports["grpc"]["port"] == cluster.config["port"]
+    assert svc_ports["grpc"]["port"] == cluster.config["ports"]["port"]
     assert svc_ports["metrics"]["targetPort"] == "router-metrics"
     assert (svc_ports["http"]["targetPort"], svc_ports["http"]["port"]) == (
         "http",
-        cluster.config["http_port"],
+        cluster.config["ports"]["http_port"],
     )
 
     monitor = cluster.one("ServiceMonitor")
@@ -228,7 +221,7 @@ def _ingress_ports(rule: dict) -> set[int]:
 
 def test_network_policies(cluster):
     name = cluster.ray["metadata"]["name"]
-    config = cluster.config
+    config = cluster.config["ports"]
     internal_peer = {"podSelector": {"matchLabels": {"ray.io/cluster": name}}}
     monitoring = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}

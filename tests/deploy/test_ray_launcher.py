@@ -60,9 +60,9 @@ def test_pools_are_node_types_with_their_resource(launcher, config):
         assert config[pool]["resources"] == {resource: 1}
         assert node["min_workers"] == node["max_workers"]  # a pool's EP size is fixed
         per_node = node["resources"][resource]
-        assert per_node == node["resources"]["GPU"] / config["gpus_per_rank"]
+        assert per_node == node["resources"]["GPU"] / config["ray"]["gpus_per_rank"]
         assert config[pool]["num_ranks"] == node["min_workers"] * per_node
-        assert node["resources"]["CPU"] >= per_node * config["cpus_per_rank"]
+        assert node["resources"]["CPU"] >= per_node * config["ray"]["cpus_per_rank"]
         others = [t for name, t in types.items() if name != pool]
         assert all(resource not in t["resources"] for t in others)
 

@@ -5,8 +5,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
-from engine.metrics import RANK, specs
-from engine.rank_metrics import HistogramStats, RankCollector, RankStats
+from engine.metrics.catalog import RANK, specs
+from engine.metrics.rank import HistogramStats, RankCollector, RankStats
 
 
 def scrape(stats: RankStats, gauges=dict) -> dict[str, list]:

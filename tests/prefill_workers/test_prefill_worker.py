@@ -8,7 +8,8 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.messages import GenerateRequest, KVPayload, RankStopped
-from engine.rank import RankConfig, Rendezvous
+from engine.rank import RankConfig
+from engine.rendezvous import Rendezvous
 from prefill_workers import PrefillWorker
 
 SOLO = Rendezvous("unused", "127.0.0.1", 0)  # a one-rank pool meets nobody

@@ -1,10 +1,10 @@
 """The OpenAI HTTP port under the gRPC port's security (router/api/http_auth.py), with certificates
 from a throwaway CA (trustme), seen through raw requests (http.client over ssl sockets, and the curl
 binary), and through the openai SDK: a missing or wrong token is 401 on every route but /health
-(/metrics and /openapi.json included; the docs pages are off); the scheme's case is free; the admin
-token is a client token too; plaintext to a TLS port and a client that trusts another CA get no
-response; under mutual TLS, no certificate or one from another CA is refused in the handshake. The
-router's metrics port (engine/metrics_server.py) with TLS and a token the same."""
+(/metrics and /openapi.json included; the docs pages are off); the scheme's case is free; the
+admin token is a client token too; plaintext to a TLS port and a client that trusts another CA
+get no response; under mutual TLS, no certificate or one from another CA is refused in the
+handshake. The router's metrics port (engine/metrics/server.py) with TLS and a token the same."""
 
 import http.client
 import json
@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from engine import SamplingParams
-from engine.metrics_server import MetricsServer
+from engine.metrics.server import MetricsServer
 from router.auth import ServerSecurity
 from router.client import InferenceClient
 from router.server import serve

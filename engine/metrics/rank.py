@@ -3,7 +3,7 @@ work happens, and a prometheus-client Collector that reads a snapshot of them at
 
 Recording never slows a step: an observation is an integer add and a bisect into a short list;
 no lock is taken on the engine thread and nothing touches the device. Prometheus' registry lock
-is only held by the scraping thread. Which series exist is engine/metrics.py's catalog.
+is only held by the scraping thread. Which series exist is engine/metrics/catalog.py's catalog.
 """
 
 import bisect
@@ -18,7 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.metrics import RANK, Spec, label_values, specs
+from engine.metrics.catalog import RANK, Spec, label_values, specs
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""The shape of a metric in the catalog (engine/metrics.py): Spec, and the histogram buckets and
-label values the catalog's parts share."""
+"""The shape of a metric in the catalog (engine/metrics/catalog.py): Spec, and the histogram
+buckets and label values the catalog's parts share."""
 
 from dataclasses import dataclass
 

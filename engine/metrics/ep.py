@@ -1,7 +1,7 @@
 """The catalog's metrics of a pool's expert parallelism: the all-to-all, the KV transfer from
-prefill to decode, and expert load balancing (engine/metrics.py joins them to the rest)."""
+prefill to decode, and expert load balancing (engine/metrics/catalog.py joins them to the rest)."""
 
-from engine.metric_spec import BYTES_BUCKETS, STEP_BUCKETS, Spec
+from engine.metrics.spec import BYTES_BUCKETS, STEP_BUCKETS, Spec
 
 EP_SPECS: tuple[Spec, ...] = (
     # ---- expert parallelism ----

@@ -1,7 +1,7 @@
 """Every Prometheus metric epcluster exports, in one catalog (SPECS: the router's and the
-engines' here, the expert-parallel ones in engine/metrics_ep.py, Spec in engine/metric_spec.py):
+engines' here, the expert-parallel ones in engine/metrics/ep.py, Spec in engine/metrics/spec.py):
 name, type, help, labels, buckets and which process exports it. The router (router/metrics.py)
-and the ranks (engine/rank_metrics.py) build their collectors from it, and the dashboards and
+and the ranks (engine/metrics/rank.py) build their collectors from it, and the dashboards and
 alert rules (deploy/monitoring/) are checked against it: a panel or rule may only query what is
 defined here.
 
@@ -12,7 +12,8 @@ Every series carries `model_name`; rank series also `pool` (prefill | decode) an
 series `pool="router"`. Labels that name a pool the router watches are `target_pool`.
 """
 
-from engine.metric_spec import (  # noqa: F401  (the catalog's names, used by its readers)
+from engine.metrics.ep import EP_SPECS
+from engine.metrics.spec import (  # noqa: F401  (the catalog's names, used by its readers)
     BYTES_BUCKETS,
     COUNT_BUCKETS,
     FINISHED_REASONS,
@@ -25,7 +26,6 @@ from engine.metric_spec import (  # noqa: F401  (the catalog's names, used by it
     TTFT_BUCKETS,
     Spec,
 )
-from engine.metrics_ep import EP_SPECS
 
 _ROUTER_AND_ENGINE: tuple[Spec, ...] = (
     # ---- the router: requests as users see them ----
