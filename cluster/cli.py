@@ -16,11 +16,17 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from engine import SamplingParams
+    from engine.messages import RebalanceStatus
+    from router.auth import ClientSecurity
 
-def _sampling(args: argparse.Namespace):
+
+def _sampling(args: argparse.Namespace) -> "SamplingParams":
     from engine import SamplingParams
 
     return SamplingParams(
@@ -79,7 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_remote(args: argparse.Namespace, params) -> int:
+def _generate_remote(args: argparse.Namespace, params: "SamplingParams") -> int:
     from router.api.convert import output_from_proto
     from router.client import InferenceClient
 
@@ -145,7 +151,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe_rebalance(r) -> str:
+def describe_rebalance(r: "RebalanceStatus") -> str:
     if not r.number:
         return "no rebalance yet"
     return (
@@ -300,7 +306,7 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def client_security(args: argparse.Namespace):
+def client_security(args: argparse.Namespace) -> "ClientSecurity | None":
     """-> router.auth.ClientSecurity, or None for a plaintext, open router."""
     from router.auth import ClientSecurity
 

@@ -75,7 +75,7 @@ def _kill_new_children(before: set[int], wait_s: float = 10.0) -> None:
     psutil.wait_procs(started, timeout=wait_s)
 
 
-def chat_template(checkpoint) -> str | None:
+def chat_template(checkpoint: str | Path) -> str | None:
     """The checkpoint's chat template (tokenizer_config.json, as transformers reads it)."""
     config = Path(checkpoint) / "tokenizer_config.json"
     if not config.is_file():

@@ -280,7 +280,7 @@ def load_placement(path: str, pool: str) -> dict:
     return entry
 
 
-def _node_address(_self) -> str:
+def _node_address(_self: PrefillMember | DecodeMember) -> str:
     """Runs inside a rank's actor: the address its node joined Ray with (where its /metrics
     and a rendezvous store listen). NOTE: not ray.util.get_node_ip_address(), which in a worker
     may answer the machine's outside address for a Ray that runs on loopback."""

@@ -6,6 +6,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -17,7 +18,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(

@@ -26,6 +26,7 @@ from engine.messages import (
     RequestOutput,
     Resume,
     StepResult,
+    TokenLogprobs,
 )
 from engine.metrics.rank import RankStats
 from engine.model_info import PromptLimits, check_prompt
@@ -296,7 +297,9 @@ class LLMEngine(EngineReports):
                 result.outputs.append(self._fail(req, "postprocessing", e))
         return result
 
-    def _advance(self, req: Request, token: int, logprobs, result: StepResult) -> None:
+    def _advance(
+        self, req: Request, token: int, logprobs: TokenLogprobs | None, result: StepResult
+    ) -> None:
         """req sampled `token`: append it, then finish, hand off or report the delta."""
         self.block_manager.commit(req.block_table, req.all_token_ids, req.num_computed_tokens)
         req.output_token_ids.append(token)

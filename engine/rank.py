@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from engine.metrics.rank import RankCollector
 from engine.metrics.server import MetricsServer, serve_metrics
 from engine.rendezvous import Rendezvous, interface_of, rendezvous_store
 from moe.placement import Placement
+
+if TYPE_CHECKING:
+    from engine.kv_p2p import TorchP2PTransport
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,7 @@ class Rank(abc.ABC):
             self.engine, self._step_from_engine_thread, on_stop=self._stopped_on_engine_thread
         ).start()
 
-    def _p2p_transport(self, kv_rdzv: Rendezvous | None):
+    def _p2p_transport(self, kv_rdzv: Rendezvous | None) -> "TorchP2PTransport":
         """Join the cluster-wide group that carries KV between prefill and decode ranks."""
         from engine.kv_p2p import TorchP2PTransport
 

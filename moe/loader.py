@@ -13,6 +13,7 @@ from safetensors import safe_open
 from kernels import hugepages
 from kernels.fp8 import dequantize_block_fp8
 from moe.config import ModelConfig
+from moe.layers import Experts
 from moe.model import DeepseekForCausalLM, ExpertSubset
 
 _EXPERT = re.compile(
@@ -184,7 +185,7 @@ def _slots_by_expert(expert_ids: list[int]) -> dict[int, list[int]]:
     return out
 
 
-def _copy_expert(experts, slot: int, proj: str, weight: torch.Tensor, inter: int) -> None:
+def _copy_expert(experts: Experts, slot: int, proj: str, weight: torch.Tensor, inter: int) -> None:
     if proj == "gate_proj":
         experts.w13.data[slot, :inter].copy_(weight)
     elif proj == "up_proj":

@@ -223,7 +223,9 @@ def _pairing(
     return (total >= 0).all(dim=1)
 
 
-def _hull(cost_a, value_a, cost_b, value_b):
+def _hull(
+    cost_a: torch.Tensor, value_a: torch.Tensor, cost_b: torch.Tensor, value_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two options per item (cost >= 1, value >= 0) -> two knapsack items [..., 2n] (value,
     cost >= 1) whose fractional use traces the concave hull of (0, 0) and the two options."""
     swap = cost_a > cost_b  # order the options by cost: a the cheaper

@@ -14,6 +14,7 @@ local search on node loads from the greedy's partition.
 
 import itertools
 import math
+from collections.abc import Generator
 
 import torch
 
@@ -65,7 +66,7 @@ def group_partitions(num_groups: int, per_node: int) -> tuple[torch.Tensor, torc
     blocks = list(itertools.combinations(range(num_groups), per_node))
     index = {block: i for i, block in enumerate(blocks)}
 
-    def split(rest: tuple[int, ...]):
+    def split(rest: tuple[int, ...]) -> Generator[list[int], None, None]:
         if not rest:
             yield []
             return

@@ -23,6 +23,9 @@ import torch
 
 _REL_TOL = 1e-9
 
+# candidate edits: ([slot_x, new_x, slot_y, new_y], new_max, dsq, valid), each [a, CE]
+_Candidates = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def local_search(
     weight: torch.Tensor,
@@ -93,7 +96,14 @@ class _Row:
     largest rank load, change of the sum of squared loads, and validity, each [a, CE].
     """
 
-    def __init__(self, weight, slot2log, num_ranks, expert_node, rank_node):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        slot2log: torch.Tensor,
+        num_ranks: int,
+        expert_node: torch.Tensor,
+        rank_node: torch.Tensor,
+    ) -> None:
         self.w, self.p2l, self.num_ranks = weight, slot2log, num_ranks
         self.expert_node, self.rank_node = expert_node, rank_node
         num_rows, num_slots = slot2log.shape
@@ -121,7 +131,7 @@ class _Row:
             self.rank_node[rows],
         )
 
-    def swaps(self):
+    def swaps(self) -> _Candidates:
         """A slot of r* [a, k] against every slot [a, S]: C = k * S."""
         a, num_slots = self.p2l.shape
         p1 = self.per_slot.gather(1, self.star_slots)  # [a, k]
@@ -144,7 +154,7 @@ class _Row:
         edits = [t.reshape(a, -1) for t in (slot_x, new_x, slot_y, new_y)]
         return edits, new_max.reshape(a, -1), dsq.reshape(a, -1), valid.reshape(a, -1)
 
-    def reassignments(self):
+    def reassignments(self) -> _Candidates:
         """(a) a slot of r* to a target expert (`_targets`): C = k * B; (b) any slot of an expert
         with >= 2 replicas to an expert with a replica on r*: C = m * k, m = min(S, 2 (S - n))."""
         a, num_slots = self.p2l.shape
@@ -165,7 +175,9 @@ class _Row:
         new_max, dsq, valid = self._reassign_effect(src, dst)
         return [src, dst, src, dst], new_max, dsq, valid
 
-    def _reassign_effect(self, src: torch.Tensor, dst: torch.Tensor):
+    def _reassign_effect(
+        self, src: torch.Tensor, dst: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Slot src [a, CE] changes to expert dst [a, CE]: new max, change of squares, validity."""
         a, num_slots = self.p2l.shape
         num_log, num_ranks = self.w.shape[1], self.num_ranks
@@ -195,7 +207,12 @@ class _Row:
         dsq = (load**2).sum(dim=-1) - (self.load**2).sum(dim=-1)[:, None]
         return new_max, dsq, valid
 
-    def best(self, candidates, reference=None, left=None):
+    def best(
+        self,
+        candidates: _Candidates,
+        reference: torch.Tensor | None = None,
+        left: torch.Tensor | None = None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The best edit of each row and whether it improves the row: (edits [a] x 4, ok [a]).
 
         Best: the largest drop of the max rank load, then of the sum of squares. With reference
@@ -217,7 +234,7 @@ class _Row:
         return [e.gather(1, pick).flatten() for e in edits], better.any(dim=1)
 
 
-def _concat(*candidates):
+def _concat(*candidates: _Candidates) -> _Candidates:
     """Join candidate lists (edits, new_max, dsq, valid) along the candidate dim."""
     edits = [torch.cat(parts, dim=1) for parts in zip(*(c[0] for c in candidates), strict=True)]
     rest = [torch.cat(parts, dim=1) for parts in zip(*(c[1:] for c in candidates), strict=True)]
@@ -241,7 +258,9 @@ def _targets(
     return torch.cat([on_star, light, heavy], dim=1)
 
 
-def _moves_delta(slot2log, reference, edits):
+def _moves_delta(
+    slot2log: torch.Tensor, reference: torch.Tensor, edits: list[torch.Tensor]
+) -> torch.Tensor:
     """How many more slots differ from the reference after each edit [a, CE]."""
     slot_x, new_x, slot_y, new_y = edits
     ref_x, ref_y = reference.gather(1, slot_x), reference.gather(1, slot_y)
@@ -300,12 +319,22 @@ def count_search(
     return slot2log
 
 
-def _rank_loads(w, p2l, counts, num_ranks):
+def _rank_loads(
+    w: torch.Tensor, p2l: torch.Tensor, counts: torch.Tensor, num_ranks: int
+) -> torch.Tensor:
     per_slot = (w / counts.clamp(min=1)).gather(1, p2l)  # [a, S]
     return per_slot.view(w.shape[0], num_ranks, -1).sum(dim=-1)
 
 
-def _count_candidates(w, p2l, counts, star, num_ranks, num_targets, num_sources):
+def _count_candidates(
+    w: torch.Tensor,
+    p2l: torch.Tensor,
+    counts: torch.Tensor,
+    star: torch.Tensor,
+    num_ranks: int,
+    num_targets: int,
+    num_sources: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Counts after moving one replica a -> b: ([a, CE, n] int64, valid [a, CE])."""
     num_rows, num_log = w.shape
     k = p2l.shape[1] // num_ranks
