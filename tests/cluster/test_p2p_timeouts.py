@@ -44,15 +44,19 @@ async def first_token_s(client: AsyncInferenceClient, prompt: list[int]) -> floa
     raise AssertionError("no token came")
 
 
-async def with_deadline(client: AsyncInferenceClient, prompt: list[int], timeout: float) -> str:
-    """-> the gRPC status code's name the request ended with."""
+async def with_deadline(
+    client: AsyncInferenceClient, prompt: list[int], timeout: float
+) -> tuple[str, bool]:
+    """-> the gRPC status code's name the request ended with, and whether its first token (the
+    prefill's return) came before the deadline."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = False
     try:
-        async for _ in client.generate(prompt, params, timeout=timeout):
-            pass
-        return "OK"
+        async for msg in client.generate(prompt, params, timeout=timeout):
+            first = first or bool(msg.token_ids)
+        return "OK", first
     except grpc.aio.AioRpcError as e:
-        return e.code().name
+        return e.code().name, first
 
 
 async def bounded(calls: list, limit: int) -> list:
@@ -93,14 +97,19 @@ def test_deadlines_around_the_prefills_return_cost_no_reform(cluster):
             ]
             return median, await bounded(calls, CONCURRENCY)
 
-    median, codes = asyncio.run(main())
+    median, outcomes = asyncio.run(main())
+    codes = [code for code, _ in outcomes]
+    firsts = [first for _, first in outcomes]
     counts = {code: codes.count(code) for code in set(codes)}
     print(
-        f"L = {median * 1000:.0f} ms; outcomes {counts}; KV taken off on the decode rank after "
+        f"L = {median * 1000:.0f} ms; outcomes {counts}; first token before the deadline "
+        f"{sum(firsts)} of {len(firsts)}; KV taken off on the decode rank after "
         f"an abandoned prefill: {backend.num_kv_discards}; fallbacks {backend.num_kv_fallbacks}"
     )
     assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"}, counts  # no INTERNAL, no UNAVAILABLE
-    assert counts.get("OK", 0) > 0 and counts.get("DEADLINE_EXCEEDED", 0) > 0, counts
+    # the deadlines landed around the prefills' return: some came before a first token, some
+    # after (whether the 3 decode steps after it also fit depends on the machine's load)
+    assert any(firsts) and not all(firsts), (sum(firsts), counts)
     assert {name: backend.pools[name].num_reforms for name in reforms} == reforms
     assert given_up_turns(cluster) == 0  # every p2p send was matched
     with InferenceClient(cluster.address, timeout=60) as client:
