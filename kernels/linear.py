@@ -39,6 +39,13 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     return cached[1]
 
 
+def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The copy of `weight` in panels that `panels` made, if any (what a step reads instead of
+    the weight itself)."""
+    cached = getattr(weight, "_epc_panels", None)
+    return None if cached is None else cached[1]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: bool = False) -> torch.Tensor:
     """x [N, Fi] (or [..., Fi]), weight [Fo, Fi] -> [..., Fo].
 

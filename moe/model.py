@@ -19,7 +19,7 @@ from torch import nn
 
 from kernels import hugepages
 from kernels.backend import use_cpu_kernel
-from kernels.linear import Linear, panels
+from kernels.linear import Linear, panel_copy, panels
 from kernels.rotary import rope_cos_sin
 from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
@@ -149,8 +149,8 @@ class DeepseekForCausalLM(nn.Module):
             for value in [*own, *vars(module).values()]:
                 if not isinstance(value, torch.Tensor):
                     continue
-                cached = getattr(value, "_epc_panels", None)
-                tensor = value if cached is None else cached[1]
+                copy = panel_copy(value)
+                tensor = value if copy is None else copy
                 if tensor.untyped_storage().nbytes() >= min_bytes:
                     found[id(tensor)] = tensor
         return list(found.values())
