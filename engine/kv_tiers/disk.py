@@ -132,6 +132,7 @@ class DiskTier:
             self._disable(e)
             return False
         with self._lock:
+            self._forget(key.name)  # NOTE: a lookup may have indexed it meanwhile (another rank's)
             self._files[key.name] = written
             self.stats.bytes_held += written
             self.stats.bytes_written += written

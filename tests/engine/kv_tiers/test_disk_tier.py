@@ -94,3 +94,13 @@ def test_a_full_disk_turns_the_tier_off_with_one_warning(tmp_path, monkeypatch, 
     assert disk.get(key(1)) is None and not disk.contains(key(1))  # off: every lookup misses
     leftovers = {n for n in _names(disk) if n.endswith(block_file.TMP_SUFFIX)}
     assert not leftovers  # the failed writer removed its temporary file
+
+
+def test_rewriting_a_block_another_rank_wrote_counts_it_once(tmp_path) -> None:
+    first = DiskTier(str(tmp_path), budget_bytes=10 * FILE_BYTES)
+    second = DiskTier(str(tmp_path), budget_bytes=10 * FILE_BYTES)
+    first.put(key(1), block(1))
+    assert second.contains(key(1))  # indexed from the shared directory
+    assert second.put(key(1), block(1)) and second.put(key(1), block(1))
+    assert (second.stats.blocks, second.stats.bytes_held) == (1, FILE_BYTES)
+    assert _names(second) == {key(1).name}
