@@ -11,11 +11,14 @@ outputs are dropped, and the experts' load is counted from the real rows' routin
 replay (the forward runs with topk_out: the dispatchers count nothing themselves). The Python
 layers run here (fused=None): the CPU's fused layers are ModelRunner's other choice.
 
-Capturable means no host read inside the step: the dispatch of a rank holding every expert keeps
-its counts on the device and the grouped GEMM reads them there (moe/dispatch.py,
-kernels/moe_mlp.py), the attention reads its lengths on the device, and the block tables are as
-wide as max_model_len allows. Steps with prefill tokens, larger batches, and expert-parallel
-pools (whose all-to-all exchanges counts on the host) run eagerly.
+Capturable means nothing in the step waits for the device or copies host data to it (checked
+on the CPU, op by op, by engine/capture_check.py over every bucket: tests/engine/
+test_capture_check.py): the dispatch of a rank holding every expert keeps its counts on the
+device and the Triton grouped GEMM reads them there (moe/dispatch.py, kernels/moe_mlp.py), the
+dense and shared MLPs build their one count on the device, the attention reads its lengths on
+the device, and the block tables are as wide as max_model_len allows. Steps with prefill tokens,
+larger batches, expert-parallel pools (whose all-to-all exchanges counts on the host) and the
+torch references (whose routed experts walk their counts on the host) run eagerly.
 
 With capture=False (tests on CPU) the same buffers, padding and accounting run, each step eagerly.
 """
@@ -25,6 +28,7 @@ import logging
 import torch
 
 from engine.request import Request
+from kernels.backend import ENV_VAR, kernel_mode, use_triton
 from kernels.mla_attention import cache_slot
 from moe.attention import PagedKV
 from moe.dispatch import LocalDispatcher, slot_counts
@@ -51,11 +55,20 @@ class DecodeGraphs:
     ) -> None:
         """kv_caches: per layer [NB + 1, BS, C], the last block for the padding rows."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
-        self.capture = capture
         self.buckets = batch_buckets(max_batch)
         self.pad_block = kv_caches[0].shape[0] - 1
         device, n = kv_caches[0].device, self.buckets[-1]
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        if capture and not use_triton(self.ids):
+            why = f"{ENV_VAR}=reference" if kernel_mode() == "reference" else "no triton"
+            log.warning(
+                "cuda_graph: the kernels here are the torch references (%s), whose routed "
+                "experts read their counts on the host, which a CUDA graph cannot hold: decode "
+                "steps run eagerly",
+                why,
+            )
+            capture = False
+        self.capture = capture
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.full((n,), self.pad_block * block_size, dtype=torch.long, device=device)
         self.tables = torch.full((n, max_blocks), self.pad_block, dtype=torch.long, device=device)

@@ -76,6 +76,7 @@ class EngineReports:
                 for layer, m in zip(self.model.config.moe_layers, self.model.moe_layers())
             },
             max_model_len=self.max_model_len,
+            kernels=self.runner.kernels,
             rebalance=dataclasses.replace(self.balancer.last) if self.balancer else None,
         )
 

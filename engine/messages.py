@@ -223,6 +223,7 @@ class RankStatus:
     stalled_s: float = 0.0  # seconds with work and no progress on the engine thread (hung?)
     num_pending: int = 0  # calls the rank's server side is waiting on (prefills, owners)
     metrics_endpoint: str = ""  # host:port of the rank's Prometheus /metrics
+    kernels: str = ""  # which kernels serve this rank (kernels.backend.serving_kernels)
     rebalance: RebalanceStatus | None = None  # expert-parallel ranks only
 
     @classmethod
@@ -250,6 +251,9 @@ class ModelInfo:
     experts_per_token: int
     eos_token_id: int | None
     kv_bytes_per_token: int  # MLA: layers x (kv_lora_rank + qk_rope_head_dim) x dtype size
+    # which kernels serve (kernels.backend.serving_kernels: "triton", "cpu-avx512", "cpu-avx2",
+    # "reference", ...); the ranks' distinct values joined by "," in a cluster; "" unknown
+    kernels: str = ""
 
 
 @dataclass(slots=True)

@@ -12,10 +12,10 @@ from moe.config import ModelConfig
 
 
 def build_model_info(
-    name: str, config: ModelConfig, max_model_len: int, dtype: torch.dtype
+    name: str, config: ModelConfig, max_model_len: int, dtype: torch.dtype, kernels: str = ""
 ) -> ModelInfo:
     """ModelInfo from a model config, without loading weights (the router on Ray calls this
-    with the pools' config)."""
+    with the pools' config, and fills `kernels` from what the ranks report)."""
     return ModelInfo(
         model=name,
         model_type=config.model_type,
@@ -28,6 +28,7 @@ def build_model_info(
         kv_bytes_per_token=kv_bytes_per_token(
             config.num_hidden_layers, config.kv_cache_width, dtype
         ),
+        kernels=kernels,
     )
 
 

@@ -20,6 +20,7 @@ from engine.messages import TokenLogprobs
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
 from engine.sampling_params import SamplingParams
+from kernels.backend import serving_kernels
 from kernels.cpu.build import cpu_kernels
 from kernels.mla_attention import cache_slot
 from moe.attention import PagedKV
@@ -52,6 +53,8 @@ class ModelRunner:
             # NOTE: built (or loaded) now, while the engine starts: the first build takes
             # 20-30 s, which must not land inside a request's deadline.
             cpu_kernels()
+        # which kernels serve (GetModelInfo, the ranks' metrics); a fallback warns once, now
+        self.kernels = serving_kernels(config.device, config.torch_dtype)
         c = model.config
         itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
         bytes_per_block = c.num_hidden_layers * config.block_size * c.kv_cache_width * itemsize

@@ -178,6 +178,7 @@ class Rank(abc.ABC):
             ("epcluster_kv_cache_blocks", ("cached",)): bm.num_cached_blocks,
             ("epcluster_kv_cache_blocks", ("reserved",)): e.reservations.num_blocks,
             ("epcluster_engine_stalled_seconds", ()): loop.stalled_s() if loop else 0.0,
+            ("epcluster_kernels_info", (e.runner.kernels,)): 1.0,
             **self._balance_gauges(),
         }
 

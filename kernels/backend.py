@@ -12,22 +12,32 @@ EPCLUSTER_KERNELS chooses, read at every call:
 
 triton is optional: without it (macOS, minimal installs) `jit` leaves the kernels as plain
 functions that nothing calls, and only the references run. Kernel modules use
-`from __future__ import annotations` so that `tl.constexpr` annotations need no triton.
+`from __future__ import annotations` so that `tl.constexpr` annotations need no triton. A CUDA
+machine whose triton does not import logs one warning saying so (the references serve its GPUs,
+eagerly), and `serving_kernels` names what serves an engine: GetModelInfo.kernels and the ranks'
+epcluster_kernels_info metric report it.
 """
 
+import functools
+import logging
 import os
 from collections.abc import Callable
 
 import torch
 
-from kernels.cpu.build import cpu_kernels
+from kernels.cpu.build import cpu_kernels, cpu_kernels_name
+
+log = logging.getLogger(__name__)
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the references need no triton
+
+    TRITON_ERROR = ""
+except Exception as e:  # not installed, or broken (a missing driver library): the references
     triton = None
     tl = None
+    TRITON_ERROR = f"{type(e).__name__}: {e}"
 
 MODES = ("auto", "reference", "triton")
 ENV_VAR = "EPCLUSTER_KERNELS"
@@ -72,7 +82,12 @@ def use_triton(x: torch.Tensor) -> bool:
     if mode == "reference":
         return False
     if mode == "auto":
-        return x.is_cuda and triton is not None
+        if not x.is_cuda:
+            return False
+        if triton is None:
+            warn_no_triton()
+            return False
+        return True
     if triton is None:
         raise RuntimeError(f"{ENV_VAR}=triton, but triton does not import")
     if not x.is_cuda and not interpreting():
@@ -97,3 +112,36 @@ def fp32_dot(x: torch.Tensor) -> bool:
     """Whether kernels cast tiles to fp32 before tl.dot: for fp32 data (then in IEEE precision,
     not TF32), and always in the interpreter, whose bf16 dot is wrong."""
     return x.dtype == torch.float32 or not x.is_cuda
+
+
+@functools.cache
+def warn_no_triton() -> None:
+    """Once per process: CUDA tensors take the torch references, not the Triton kernels."""
+    log.warning(
+        "triton does not import (%s): CUDA tensors take the torch reference kernels instead of "
+        "Triton (slower; and decode steps run eagerly, without CUDA graphs)",
+        TRITON_ERROR or "not installed",
+    )
+
+
+def serving_kernels(device: torch.device | str, dtype: torch.dtype) -> str:
+    """Which kernels serve a model on `device` in `dtype`: "triton" (CUDA tensors, or forced),
+    "triton-interpreter" (forced on CPU tensors), "cpu-avx512" / "cpu-avx2" (the compiled CPU
+    kernels: fp32 on the CPU) or "reference" (the torch references). Where a fallback serves,
+    its one warning is logged (warn_no_triton, or kernels/cpu/build.py's)."""
+    device = torch.device(device)
+    mode = kernel_mode()
+    if mode == "reference":
+        return "reference"
+    if mode == "triton":
+        if triton is None:
+            raise RuntimeError(f"{ENV_VAR}=triton, but triton does not import ({TRITON_ERROR})")
+        return "triton" if device.type == "cuda" else "triton-interpreter"
+    if device.type == "cuda":
+        if triton is None:
+            warn_no_triton()
+            return "reference"
+        return "triton"
+    if device.type == "cpu" and dtype == torch.float32:
+        return cpu_kernels_name()
+    return "reference"

@@ -35,6 +35,11 @@ def dense_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Ten
         and w2.is_contiguous()
     ):
         return cpu_kernels().mlp_panels(x.contiguous(), panels(w13), panels(w2), w2.shape[1])
+    if use_triton(x):
+        # NOTE: the one count filled on the device, not copied from a host list: a CUDA graph
+        # of the decode step cannot hold a host-to-device copy (engine/capture_check.py)
+        counts = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)  # [1]
+        return grouped_expert_mlp_triton(x, counts, w13[None], w2[None])
     return grouped_expert_mlp(x, [x.shape[0]], w13[None], w2[None])
 
 

@@ -245,6 +245,13 @@ _ROUTER_AND_ENGINE: tuple[Spec, ...] = (
     Spec(
         "epcluster_step_batch_size", "histogram", "Requests in an engine step.", (), COUNT_BUCKETS
     ),
+    Spec(
+        "epcluster_kernels_info",
+        "gauge",
+        "1, labelled with the kernels that serve the rank: triton, cpu-avx512, cpu-avx2 or "
+        "reference (a fallback: no working triton on a GPU, a CPU without AVX2 or a compiler).",
+        ("kernels",),
+    ),
 )
 SPECS: tuple[Spec, ...] = _ROUTER_AND_ENGINE + EP_SPECS
 

@@ -7,8 +7,9 @@ packs every weight matrix on each call (5-16 GB/s for a few rows, where the mach
 multiplies with 256-bit vectors on AMD CPUs that run 512-bit FMAs at twice the rate, and a
 Python loop over experts or a gather of the cache into padded tensors adds an op per piece.
 Measured side by side by `python -m bench.linear` (per path and row count) and in the decode
-step by bench/decode_speed.py and bench/step_profile.py. Without a compiler, AVX2, or with
-EPCLUSTER_CPU_KERNEL=0, the torch paths serve (a warning says so when the build fails).
+step by bench/decode_speed.py and bench/step_profile.py. Without a compiler or AVX2, or with
+EPCLUSTER_CPU_KERNEL=0, the torch paths serve: one warning says so and why (not for the
+variable, which asks for it), and cpu_kernels_name / kernels.backend.serving_kernels report it.
 """
 
 import functools
@@ -42,6 +43,11 @@ def cpu_kernels() -> ModuleType | None:
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in FLAGS:
+        log.warning(
+            "this CPU's vectors are %s, and the compiled CPU kernels need AVX2 or AVX-512: fp32 "
+            "CPU tensors take torch's reference paths (slower, the same results up to rounding)",
+            capability,
+        )
         return None
     from torch.utils import cpp_extension
 
@@ -63,8 +69,20 @@ def cpu_kernels() -> ModuleType | None:
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # no compiler, no headers: slower, still correct
-        log.warning("the CPU kernels did not build (%s): using torch's paths", e)
+        log.warning(
+            "the compiled CPU kernels did not build (%s): fp32 CPU tensors take torch's "
+            "reference paths (slower, the same results up to rounding)",
+            e,
+        )
         return None
+
+
+def cpu_kernels_name() -> str:
+    """What serves fp32 CPU tensors: "cpu-avx512" or "cpu-avx2" (the build for this CPU's
+    vectors), or "reference" when the compiled kernels are off or did not build."""
+    if cpu_kernels() is None:
+        return "reference"
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:

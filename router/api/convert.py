@@ -272,6 +272,7 @@ def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
         num_routed_experts=info.num_routed_experts,
         experts_per_token=info.experts_per_token,
         kv_bytes_per_token=info.kv_bytes_per_token,
+        kernels=info.kernels,
     )
     if info.eos_token_id is not None:
         msg.eos_token_id = info.eos_token_id
@@ -289,6 +290,7 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
         experts_per_token=msg.experts_per_token,
         eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
         kv_bytes_per_token=msg.kv_bytes_per_token,
+        kernels=msg.kernels,
     )
 
 

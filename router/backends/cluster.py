@@ -180,7 +180,10 @@ class ClusterBackend:
     # ---- limits ----
 
     def model_info(self) -> ModelInfo:
-        return dataclasses.replace(self._model_info, max_model_len=self._max_model_len())
+        kernels = sorted({s.kernels for s in self.pools.status.values() if s.kernels})
+        return dataclasses.replace(
+            self._model_info, max_model_len=self._max_model_len(), kernels=",".join(kernels)
+        )
 
     def prompt_limits(self) -> PromptLimits:
         """A prompt must fit the smallest KV cache of any rank that may hold it (both pools)."""

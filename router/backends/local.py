@@ -50,6 +50,7 @@ class LocalBackend:
             engine.model.config,
             engine.max_model_len,
             engine.config.torch_dtype,
+            engine.runner.kernels,
         )
         self._limits = engine.prompt_limits
         self._streams: dict[str, _Stream] = {}  # NOTE: touched on the engine thread only

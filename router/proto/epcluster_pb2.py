@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crouter/proto/epcluster.proto\x12\x0c\x65pcluster.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xca\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xb7\x01\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.epcluster.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.epcluster.v1.SamplingParamsB\x08\n\x06promptB\r\n\x0b_request_id\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.epcluster.v1.TopLogprob\"\x8a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.epcluster.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.epcluster.v1.Usage\x12\"\n\x15time_to_first_token_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.epcluster.v1.TokenLogprobB\x18\n\x16_time_to_first_token_s\"\x15\n\x13GetModelInfoRequest\"\xec\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x1a\n\x12num_routed_experts\x18\x06 \x01(\x05\x12\x19\n\x11\x65xperts_per_token\x18\x07 \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x03\x42\x0f\n\r_eos_token_id\"\x19\n\x17GetClusterStatusRequest\"\xf8\x02\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x16\n\x0ekv_used_blocks\x18\x05 \x01(\x03\x12\x17\n\x0fkv_total_blocks\x18\x06 \x01(\x03\x12\x18\n\x10kv_cached_blocks\x18\x07 \x01(\x03\x12\x10\n\x08kv_usage\x18\x08 \x01(\x01\x12\x14\n\x0cnum_reserved\x18\t \x01(\x05\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12\x11\n\tnum_steps\x18\x0c \x01(\x03\x12\x11\n\tstalled_s\x18\r \x01(\x01\x12\x13\n\x0bnum_pending\x18\x0e \x01(\x05\x12\x18\n\x10metrics_endpoint\x18\x0f \x01(\t\x12\x30\n\trebalance\x18\x10 \x01(\x0b\x32\x1d.epcluster.v1.RebalanceStatus\"\xec\x01\n\x0fRebalanceStatus\x12\x0e\n\x06number\x18\x01 \x01(\x05\x12\x0f\n\x07outcome\x18\x02 \x01(\t\x12\x0e\n\x06moving\x18\x03 \x01(\x08\x12\x1b\n\x13\x62\x61lancedness_before\x18\x04 \x01(\x01\x12\x1a\n\x12\x62\x61lancedness_after\x18\x05 \x01(\x01\x12\x13\n\x0bslots_moved\x18\x06 \x01(\x05\x12\x14\n\x0clayers_moved\x18\x07 \x01(\x05\x12\x12\n\nduration_s\x18\x08 \x01(\x01\x12\x17\n\x0flongest_pause_s\x18\t \x01(\x01\x12\x17\n\x0f\x66rom_checkpoint\x18\n \x01(\x05\".\n\x10RebalanceRequest\x12\x11\n\x04pool\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_pool\"L\n\rPoolRebalance\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12-\n\x06status\x18\x02 \x01(\x0b\x32\x1d.epcluster.v1.RebalanceStatus\"?\n\x11RebalanceResponse\x12*\n\x05pools\x18\x01 \x03(\x0b\x32\x1b.epcluster.v1.PoolRebalance\"C\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05ranks\x18\x02 \x03(\x0b\x32\x18.epcluster.v1.RankStatus\"B\n\x0bRankExperts\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tnum_slots\x18\x02 \x01(\x05\x12\x12\n\nexpert_ids\x18\x03 \x03(\x05\"V\n\rPoolPlacement\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12(\n\x05ranks\x18\x03 \x03(\x0b\x32\x19.epcluster.v1.RankExperts\"\xae\x01\n\rClusterStatus\x12\'\n\x05pools\x18\x01 \x03(\x0b\x32\x18.epcluster.v1.PoolStatus\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12.\n\tplacement\x18\x05 \x03(\x0b\x32\x1b.epcluster.v1.PoolPlacement\"\x16\n\x14GetExpertLoadRequest\"E\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x13\n\x0bslot_tokens\x18\x02 \x03(\x03\x12\x14\n\x0cslot_experts\x18\x03 \x03(\x05\"i\n\x08PoolLoad\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tnum_ranks\x18\x02 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x03 \x01(\x05\x12\'\n\x06layers\x18\x04 \x03(\x0b\x32\x17.epcluster.v1.LayerLoad\"3\n\nExpertLoad\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.epcluster.v1.PoolLoad*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x03\n\tInference\x12K\n\x08Generate\x12\x1d.epcluster.v1.GenerateRequest\x1a\x1e.epcluster.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.epcluster.v1.GetModelInfoRequest\x1a\x17.epcluster.v1.ModelInfo\x12V\n\x10GetClusterStatus\x12%.epcluster.v1.GetClusterStatusRequest\x1a\x1b.epcluster.v1.ClusterStatus\x12M\n\rGetExpertLoad\x12\".epcluster.v1.GetExpertLoadRequest\x1a\x18.epcluster.v1.ExpertLoad\x12L\n\tRebalance\x12\x1e.epcluster.v1.RebalanceRequest\x1a\x1f.epcluster.v1.RebalanceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crouter/proto/epcluster.proto\x12\x0c\x65pcluster.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xca\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xb7\x01\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.epcluster.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.epcluster.v1.SamplingParamsB\x08\n\x06promptB\r\n\x0b_request_id\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.epcluster.v1.TopLogprob\"\x8a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.epcluster.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.epcluster.v1.Usage\x12\"\n\x15time_to_first_token_s\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.epcluster.v1.TokenLogprobB\x18\n\x16_time_to_first_token_s\"\x15\n\x13GetModelInfoRequest\"\xfd\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x1a\n\x12num_routed_experts\x18\x06 \x01(\x05\x12\x19\n\x11\x65xperts_per_token\x18\x07 \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x03\x12\x0f\n\x07kernels\x18\n \x01(\tB\x0f\n\r_eos_token_id\"\x19\n\x17GetClusterStatusRequest\"\xf8\x02\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x16\n\x0ekv_used_blocks\x18\x05 \x01(\x03\x12\x17\n\x0fkv_total_blocks\x18\x06 \x01(\x03\x12\x18\n\x10kv_cached_blocks\x18\x07 \x01(\x03\x12\x10\n\x08kv_usage\x18\x08 \x01(\x01\x12\x14\n\x0cnum_reserved\x18\t \x01(\x05\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12\x11\n\tnum_steps\x18\x0c \x01(\x03\x12\x11\n\tstalled_s\x18\r \x01(\x01\x12\x13\n\x0bnum_pending\x18\x0e \x01(\x05\x12\x18\n\x10metrics_endpoint\x18\x0f \x01(\t\x12\x30\n\trebalance\x18\x10 \x01(\x0b\x32\x1d.epcluster.v1.RebalanceStatus\"\xec\x01\n\x0fRebalanceStatus\x12\x0e\n\x06number\x18\x01 \x01(\x05\x12\x0f\n\x07outcome\x18\x02 \x01(\t\x12\x0e\n\x06moving\x18\x03 \x01(\x08\x12\x1b\n\x13\x62\x61lancedness_before\x18\x04 \x01(\x01\x12\x1a\n\x12\x62\x61lancedness_after\x18\x05 \x01(\x01\x12\x13\n\x0bslots_moved\x18\x06 \x01(\x05\x12\x14\n\x0clayers_moved\x18\x07 \x01(\x05\x12\x12\n\nduration_s\x18\x08 \x01(\x01\x12\x17\n\x0flongest_pause_s\x18\t \x01(\x01\x12\x17\n\x0f\x66rom_checkpoint\x18\n \x01(\x05\".\n\x10RebalanceRequest\x12\x11\n\x04pool\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_pool\"L\n\rPoolRebalance\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12-\n\x06status\x18\x02 \x01(\x0b\x32\x1d.epcluster.v1.RebalanceStatus\"?\n\x11RebalanceResponse\x12*\n\x05pools\x18\x01 \x03(\x0b\x32\x1b.epcluster.v1.PoolRebalance\"C\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05ranks\x18\x02 \x03(\x0b\x32\x18.epcluster.v1.RankStatus\"B\n\x0bRankExperts\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tnum_slots\x18\x02 \x01(\x05\x12\x12\n\nexpert_ids\x18\x03 \x03(\x05\"V\n\rPoolPlacement\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12(\n\x05ranks\x18\x03 \x03(\x0b\x32\x19.epcluster.v1.RankExperts\"\xae\x01\n\rClusterStatus\x12\'\n\x05pools\x18\x01 \x03(\x0b\x32\x18.epcluster.v1.PoolStatus\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12.\n\tplacement\x18\x05 \x03(\x0b\x32\x1b.epcluster.v1.PoolPlacement\"\x16\n\x14GetExpertLoadRequest\"E\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x13\n\x0bslot_tokens\x18\x02 \x03(\x03\x12\x14\n\x0cslot_experts\x18\x03 \x03(\x05\"i\n\x08PoolLoad\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tnum_ranks\x18\x02 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x03 \x01(\x05\x12\'\n\x06layers\x18\x04 \x03(\x0b\x32\x17.epcluster.v1.LayerLoad\"3\n\nExpertLoad\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.epcluster.v1.PoolLoad*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x99\x03\n\tInference\x12K\n\x08Generate\x12\x1d.epcluster.v1.GenerateRequest\x1a\x1e.epcluster.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.epcluster.v1.GetModelInfoRequest\x1a\x17.epcluster.v1.ModelInfo\x12V\n\x10GetClusterStatus\x12%.epcluster.v1.GetClusterStatusRequest\x1a\x1b.epcluster.v1.ClusterStatus\x12M\n\rGetExpertLoad\x12\".epcluster.v1.GetExpertLoadRequest\x1a\x18.epcluster.v1.ExpertLoad\x12L\n\tRebalance\x12\x1e.epcluster.v1.RebalanceRequest\x1a\x1f.epcluster.v1.RebalanceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router.proto.epcluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2835
-  _globals['_FINISHREASON']._serialized_end=2955
+  _globals['_FINISHREASON']._serialized_start=2852
+  _globals['_FINISHREASON']._serialized_end=2972
   _globals['_TOKENIDS']._serialized_start=46
   _globals['_TOKENIDS']._serialized_end=69
   _globals['_SAMPLINGPARAMS']._serialized_start=72
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_start=1080
   _globals['_GETMODELINFOREQUEST']._serialized_end=1101
   _globals['_MODELINFO']._serialized_start=1104
-  _globals['_MODELINFO']._serialized_end=1340
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1342
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1367
-  _globals['_RANKSTATUS']._serialized_start=1370
-  _globals['_RANKSTATUS']._serialized_end=1746
-  _globals['_REBALANCESTATUS']._serialized_start=1749
-  _globals['_REBALANCESTATUS']._serialized_end=1985
-  _globals['_REBALANCEREQUEST']._serialized_start=1987
-  _globals['_REBALANCEREQUEST']._serialized_end=2033
-  _globals['_POOLREBALANCE']._serialized_start=2035
-  _globals['_POOLREBALANCE']._serialized_end=2111
-  _globals['_REBALANCERESPONSE']._serialized_start=2113
-  _globals['_REBALANCERESPONSE']._serialized_end=2176
-  _globals['_POOLSTATUS']._serialized_start=2178
-  _globals['_POOLSTATUS']._serialized_end=2245
-  _globals['_RANKEXPERTS']._serialized_start=2247
-  _globals['_RANKEXPERTS']._serialized_end=2313
-  _globals['_POOLPLACEMENT']._serialized_start=2315
-  _globals['_POOLPLACEMENT']._serialized_end=2401
-  _globals['_CLUSTERSTATUS']._serialized_start=2404
-  _globals['_CLUSTERSTATUS']._serialized_end=2578
-  _globals['_GETEXPERTLOADREQUEST']._serialized_start=2580
-  _globals['_GETEXPERTLOADREQUEST']._serialized_end=2602
-  _globals['_LAYERLOAD']._serialized_start=2604
-  _globals['_LAYERLOAD']._serialized_end=2673
-  _globals['_POOLLOAD']._serialized_start=2675
-  _globals['_POOLLOAD']._serialized_end=2780
-  _globals['_EXPERTLOAD']._serialized_start=2782
-  _globals['_EXPERTLOAD']._serialized_end=2833
-  _globals['_INFERENCE']._serialized_start=2958
-  _globals['_INFERENCE']._serialized_end=3367
+  _globals['_MODELINFO']._serialized_end=1357
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1359
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1384
+  _globals['_RANKSTATUS']._serialized_start=1387
+  _globals['_RANKSTATUS']._serialized_end=1763
+  _globals['_REBALANCESTATUS']._serialized_start=1766
+  _globals['_REBALANCESTATUS']._serialized_end=2002
+  _globals['_REBALANCEREQUEST']._serialized_start=2004
+  _globals['_REBALANCEREQUEST']._serialized_end=2050
+  _globals['_POOLREBALANCE']._serialized_start=2052
+  _globals['_POOLREBALANCE']._serialized_end=2128
+  _globals['_REBALANCERESPONSE']._serialized_start=2130
+  _globals['_REBALANCERESPONSE']._serialized_end=2193
+  _globals['_POOLSTATUS']._serialized_start=2195
+  _globals['_POOLSTATUS']._serialized_end=2262
+  _globals['_RANKEXPERTS']._serialized_start=2264
+  _globals['_RANKEXPERTS']._serialized_end=2330
+  _globals['_POOLPLACEMENT']._serialized_start=2332
+  _globals['_POOLPLACEMENT']._serialized_end=2418
+  _globals['_CLUSTERSTATUS']._serialized_start=2421
+  _globals['_CLUSTERSTATUS']._serialized_end=2595
+  _globals['_GETEXPERTLOADREQUEST']._serialized_start=2597
+  _globals['_GETEXPERTLOADREQUEST']._serialized_end=2619
+  _globals['_LAYERLOAD']._serialized_start=2621
+  _globals['_LAYERLOAD']._serialized_end=2690
+  _globals['_POOLLOAD']._serialized_start=2692
+  _globals['_POOLLOAD']._serialized_end=2797
+  _globals['_EXPERTLOAD']._serialized_start=2799
+  _globals['_EXPERTLOAD']._serialized_end=2850
+  _globals['_INFERENCE']._serialized_start=2975
+  _globals['_INFERENCE']._serialized_end=3384
 # @@protoc_insertion_point(module_scope)

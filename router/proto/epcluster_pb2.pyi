@@ -113,7 +113,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_type", "vocab_size", "max_model_len", "num_layers", "num_routed_experts", "experts_per_token", "eos_token_id", "kv_bytes_per_token")
+    __slots__ = ("model", "model_type", "vocab_size", "max_model_len", "num_layers", "num_routed_experts", "experts_per_token", "eos_token_id", "kv_bytes_per_token", "kernels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class ModelInfo(_message.Message):
     EXPERTS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_type: str
     vocab_size: int
@@ -132,7 +133,8 @@ class ModelInfo(_message.Message):
     experts_per_token: int
     eos_token_id: int
     kv_bytes_per_token: int
-    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_routed_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    kernels: str
+    def __init__(self, model: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_routed_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class GetClusterStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,11 +1,13 @@
 """The CUDA-graph decode path (engine/decode_graphs.py) without the capture, on CPU: the static
 buffers, the batch-size buckets and their padding rows, and the load counted after each step,
-against the plain engine. The capture itself needs a GPU (bench/kernels.py's machine)."""
+against the plain engine, with engine/capture_check.py watching every step of the Triton path.
+The capture itself needs a GPU (bench/kernels.py's machine)."""
 
 import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.capture_check import CaptureCheck, Finding
 from engine.decode_graphs import batch_buckets
 from moe.attention import PagedKV
 
@@ -38,34 +40,19 @@ def test_decode_kv_reads_the_given_buffers():
     assert kv.absorbed_lens[0] == 6
 
 
-HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__")
+def check_steps(graphs, device: str) -> list[Finding]:
+    """Run every step of `graphs` under engine/capture_check.py's check -> the list its findings
+    (what a CUDA graph of the step could not hold) go to."""
+    findings, forward = [], graphs._forward
 
+    def checked(bucket: int):
+        with CaptureCheck(device) as check:
+            out = forward(bucket)
+        findings.extend(check.findings)
+        return out
 
-def watch_host_reads(graphs) -> list[str]:
-    """Record every tensor read back to the host while the graphs' step runs (what a CUDA
-    graph cannot hold: each is a device sync) -> the list it fills."""
-    reads, forward = [], graphs._forward
-
-    def watched(bucket):
-        saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-        def recording(name):
-            def read(self, *args, **kwargs):
-                reads.append(name)
-                return saved[name](self, *args, **kwargs)
-
-            return read
-
-        for name in HOST_READS:
-            setattr(torch.Tensor, name, recording(name))
-        try:
-            return forward(bucket)
-        finally:
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, fn)
-
-    graphs._forward = watched
-    return reads
+    graphs._forward = checked
+    return findings
 
 
 def loads(llm):
@@ -78,8 +65,10 @@ def rows(llm):
 
 @pytest.fixture(params=["auto", pytest.param("triton", marks=pytest.mark.slow)])
 def kernels(request, monkeypatch):
-    """auto: the compiled CPU kernels; triton: the Triton kernels in the interpreter, the
-    path a GPU takes (the dispatch keeps its counts as a tensor, the grouped GEMM reads them)."""
+    """auto: the compiled CPU kernels; triton: the Triton kernels, the path a GPU takes (the
+    dispatch keeps its counts as a tensor, the grouped GEMM reads them): compiled on a GPU where
+    there is one (forcing Triton on CPU tensors needs the interpreter, which tests/conftest.py
+    turns on only without CUDA), else in Triton's interpreter."""
     monkeypatch.setenv("EPCLUSTER_KERNELS", request.param)
     return request.param
 
@@ -92,19 +81,22 @@ def test_static_decode_equals_the_plain_engine(kernels):
     params = [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (3, 14, 7, 10, 20)
     ]
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
     outs, engines = {}, {}
     for graphs in (True, False):
-        llm = LLM("tiny-random", block_size=4, max_num_batched_tokens=256, max_model_len=96)
+        llm = LLM(
+            "tiny-random", block_size=4, max_num_batched_tokens=256, max_model_len=96, device=device
+        )
         engine = llm.engine
         if graphs:
             engine.runner.enable_graphs(engine.max_model_len, capture=False)
-            host_reads = watch_host_reads(engine.runner.graphs)
+            findings = check_steps(engine.runner.graphs, device)
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         engine.assert_no_leaks()
         engines[graphs] = llm
     assert outs[True] == outs[False]
-    if kernels == "triton":  # the GPU's path: nothing in the step reads a tensor back
-        assert host_reads == []
+    if kernels == "triton":  # the GPU's path: nothing in any step that a graph cannot hold
+        assert findings == [], "\n".join(map(str, findings))
     g = engines[True].engine.runner.graphs
     # 19 decode steps (the longest output's 20 tokens, the first from the prefill step)
     assert g.num_replays == 19

@@ -1,12 +1,24 @@
 """A rank's metrics: bucket arithmetic by hand, an exposition that carries every series of the
 catalog (pre-created at 0), and counters that equal what the engine provably did."""
 
+import asyncio
+import urllib.request
+
+import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
+from decode_workers import DecodeWorker
+from engine import LLM, EngineConfig, SamplingParams
 from engine.metrics.catalog import RANK, specs
 from engine.metrics.rank import HistogramStats, RankCollector, RankStats
+from engine.rank import RankConfig
+from engine.rendezvous import Rendezvous
+from kernels.backend import ENV_VAR
+from kernels.cpu.build import cpu_kernels
+
+SOLO = Rendezvous("unused", "127.0.0.1", 0)  # a one-rank pool meets nobody
 
 
 def scrape(stats: RankStats, gauges=dict) -> dict[str, list]:
@@ -70,3 +82,31 @@ def test_engine_counters_equal_the_work_done():
     assert steps == engine.num_steps
     tokens = value(families["epcluster_step_tokens"], "epcluster_step_tokens_sum")
     assert tokens == engine.num_computed_tokens
+
+
+@pytest.mark.parametrize("mode", ["reference", "auto"])
+def test_the_rank_reports_which_kernels_serve_it(mode, monkeypatch):
+    """A rank (no Ray: a DecodeWorker alone) exposes epcluster_kernels_info{kernels=...} = 1 on
+    its /metrics and the same value in its status: the references when forced, else the
+    compiled kernels for this CPU's vectors where they built."""
+    monkeypatch.setenv(ENV_VAR, mode)
+    expected = "reference"
+    if mode == "auto" and cpu_kernels() is not None:
+        expected = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+
+    async def main() -> tuple[str, dict]:
+        decode = DecodeWorker(RankConfig("decode", 0, 1, EngineConfig(model="tiny-random")))
+        await decode.join(SOLO)
+        try:
+            url = f"http://{decode.status().metrics_endpoint}/metrics"
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+            families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+            return decode.status().kernels, families
+        finally:
+            decode.stop()
+
+    kernels, families = asyncio.run(main())
+    assert kernels == expected
+    (sample,) = families["epcluster_kernels_info"]
+    assert sample.labels["kernels"] == expected and sample.value == 1.0
+    assert (sample.labels["pool"], sample.labels["rank"]) == ("decode", "0")

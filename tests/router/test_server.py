@@ -487,6 +487,9 @@ def test_model_info_describes_the_served_model(client, backend):
     assert info.eos_token_id == backend.tokenizer.eos_token_id == cfg.eos_token_id
     mla = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # fp32
     assert info.kv_bytes_per_token == per_token == mla
+    # fp32 on the CPU: the compiled kernels for this CPU's vectors, or the references
+    assert info.kernels == on_engine(backend, lambda e: e.runner.kernels)
+    assert info.kernels in ("cpu-avx512", "cpu-avx2", "reference")
 
 
 def test_cluster_status_when_idle(client, backend):

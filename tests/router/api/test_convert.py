@@ -111,6 +111,23 @@ def test_model_info_round_trip():
     assert convert.model_info_from_proto(convert.model_info_to_proto(INFO)) == INFO
     no_eos = ModelInfo("m", "deepseek_v2", 300, 16, 3, 16, 4, None, 480)
     assert convert.model_info_from_proto(convert.model_info_to_proto(no_eos)) == no_eos
+    served = ModelInfo("m", "deepseek_v3", 300, 16, 3, 16, 4, 1, 480, kernels="cpu-avx2,triton")
+    msg = pb.ModelInfo.FromString(convert.model_info_to_proto(served).SerializeToString())
+    assert msg.kernels == "cpu-avx2,triton"
+    assert convert.model_info_from_proto(msg) == served
+
+
+def test_model_info_kernels_is_a_new_field_on_the_wire():
+    """Field 10, after every older one: an older router's message reads as kernels "" (unknown),
+    and an older client skips the field."""
+    assert pb.ModelInfo.DESCRIPTOR.fields_by_name["kernels"].number == 10
+    numbers = {f.name: f.number for f in pb.ModelInfo.DESCRIPTOR.fields}
+    assert sorted(numbers.values()) == list(range(1, 11))
+    old = convert.model_info_to_proto(INFO)  # kernels "" is not sent (proto3 default)
+    assert "kernels" not in {f.name for f, _ in old.ListFields()}
+    assert convert.model_info_from_proto(pb.ModelInfo.FromString(old.SerializeToString())) == INFO
+    with_kernels = pb.ModelInfo(model="m", kernels="triton").SerializeToString()
+    assert with_kernels.endswith(bytes([10 << 3 | 2, 6]) + b"triton")
 
 
 def test_cluster_status_round_trip_and_placement_summary():

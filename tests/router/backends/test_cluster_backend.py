@@ -27,6 +27,7 @@ INFO = ModelInfo("fake", "deepseek_v3", 512, 2048, 3, 16, 4, 1, 480)
 
 class FakeRank:
     pool = ""
+    kernels = "cpu-avx2"  # what its engine reports (GetModelInfo.kernels)
 
     def __init__(self, rank: int, total_blocks: int = 100) -> None:
         self.rank, self.total_blocks = rank, total_blocks
@@ -56,6 +57,7 @@ class FakeRank:
             self.total_blocks,
             block_size=BLOCK,
             stalled_s=self.stalled_s,
+            kernels=self.kernels,
         )
 
 
@@ -451,6 +453,18 @@ def test_prompt_limits_take_the_smallest_cache_of_any_rank():
         limits = backend.prompt_limits()
         assert (limits.max_blocks, limits.block_size, limits.max_prompt_tokens) == (6, 4, 23)
         assert backend.ready()
+        await backend.close()
+
+    run(main())
+
+
+def test_model_info_names_the_kernels_the_ranks_report():
+    async def main():
+        backend, prefill, decode = await started_backend(prefill_blocks=(100, 100))
+        assert backend.model_info().kernels == "cpu-avx2"  # one value, however many ranks
+        decode.kernels = "reference"  # e.g. a GPU whose triton does not import
+        await wait_for(lambda: backend.model_info().kernels == "cpu-avx2,reference")
+        assert backend.model_info().num_layers == INFO.num_layers  # the rest as configured
         await backend.close()
 
     run(main())
