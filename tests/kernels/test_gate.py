@@ -1,11 +1,19 @@
 """The Triton group-limited top-k gate against the torch reference, in every branch."""
 
+import itertools
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from kernels.gate import SCORING_FUNCS, TOPK_METHODS, grouped_topk_ref, grouped_topk_triton
+from kernels.gate import (
+    SCORING_FUNCS,
+    TOPK_METHODS,
+    grouped_topk_flags,
+    grouped_topk_ref,
+    grouped_topk_triton,
+)
 
 
 def by_expert(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +48,19 @@ def test_matches_reference(num_tokens, shape, norm, method, scoring, device):
     weights, idx = by_expert(weights, idx)
     assert torch.equal(idx, ref_idx)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_the_grid_reaches_every_branch():
+    """test_matches_reference's grid launches all 16 combinations of the kernel's constexprs
+    (BIAS and TOP2 go together: noaux_tc)."""
+    groups = {shape[1] for shape in SHAPES.values()}
+    combos = {
+        tuple(grouped_topk_flags(scoring, method, n_group, norm).values())
+        for scoring, method, n_group, norm in itertools.product(
+            SCORING_FUNCS, TOPK_METHODS, groups, (True, False)
+        )
+    }
+    assert len(combos) == 16
 
 
 @pytest.mark.parametrize(
