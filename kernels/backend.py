@@ -108,10 +108,17 @@ def use_cpu_kernel(x: torch.Tensor) -> bool:
     )
 
 
-def fp32_dot(x: torch.Tensor) -> bool:
-    """Whether kernels cast tiles to fp32 before tl.dot: for fp32 data (then in IEEE precision,
-    not TF32), and always in the interpreter, whose bf16 dot is wrong."""
-    return x.dtype == torch.float32 or not x.is_cuda
+def dot_in_fp32(x: torch.Tensor, choice: bool | None = None) -> bool:
+    """The FP32_DOT constexpr of a Triton kernel over `x`: the caller's choice (each wrapper's
+    `fp32_dot` argument, which the tests set to run every branch), else the production default:
+    fp32 data casts its tiles to fp32 and multiplies in IEEE precision (not TF32), bf16/fp16 data
+    multiplies its tiles on the tensor cores, and in the interpreter (non-CUDA tensors) every
+    dtype takes fp32, since the interpreter's tl.dot multiplies bf16 tiles' raw bits."""
+    if choice is None:
+        return x.dtype == torch.float32 or not x.is_cuda
+    # NOTE: fp32 tiles into the tensor-core dot would run in TF32, a branch nothing wants or tests.
+    assert choice or x.dtype != torch.float32, "fp32 data takes the fp32 (IEEE) dot"
+    return choice
 
 
 @functools.cache

@@ -167,6 +167,22 @@ def _grouped_topk_kernel(
     tl.store(idx_ptr + token * stride_it + offs_k, topk_idx, mask=mask_k)
 
 
+def grouped_topk_flags(
+    scoring_func: str, topk_method: str, n_group: int, norm_topk_prob: bool
+) -> dict[str, bool]:
+    """The branch constexprs of _grouped_topk_kernel for a gate's configuration (the compile
+    test enumerates every configuration through this, so it compiles what the wrapper launches).
+    """
+    noaux = topk_method == "noaux_tc"
+    return dict(
+        SOFTMAX=scoring_func == "softmax",
+        BIAS=noaux,
+        GROUPED=topk_method != "greedy" and n_group > 1,
+        TOP2=noaux,
+        NORM=norm_topk_prob,
+    )
+
+
 def grouped_topk_triton(
     router_logits: torch.Tensor,
     top_k: int,
@@ -187,7 +203,8 @@ def grouped_topk_triton(
     assert topk_method in TOPK_METHODS, topk_method
     assert num_experts % n_group == 0 and 1 <= topk_group <= n_group, (num_experts, n_group)
     assert router_logits.is_floating_point(), router_logits.dtype
-    grouped = topk_method != "greedy" and n_group > 1
+    flags = grouped_topk_flags(scoring_func, topk_method, n_group, norm_topk_prob)
+    grouped = flags["GROUPED"]
     assert 1 <= top_k <= (topk_group * num_experts // n_group if grouped else num_experts), top_k
     bias = e_score_correction_bias
     if topk_method == "noaux_tc":
@@ -204,9 +221,7 @@ def grouped_topk_triton(
         router_logits, bias, weights, idx,
         num_experts, num_experts // n_group, n_group, topk_group, top_k, routed_scaling_factor,
         *router_logits.stride(), weights.stride(0), idx.stride(0),
-        SOFTMAX=scoring_func == "softmax", BIAS=topk_method == "noaux_tc", GROUPED=grouped,
-        TOP2=topk_method == "noaux_tc",
-        NORM=norm_topk_prob, BLOCK_E=triton.next_power_of_2(num_experts),
+        **flags, BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_G=triton.next_power_of_2(n_group), BLOCK_K=triton.next_power_of_2(top_k),
     )  # fmt: skip
     return weights, idx

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
+from kernels.backend import dot_in_fp32, jit, tl, triton, use_cpu_kernel, use_triton
 from kernels.cpu.build import cpu_kernels
 
 
@@ -313,12 +313,15 @@ def paged_latent_attention_triton(
     block_h: int = 16,
     block_t: int | None = None,
     num_warps: int = 4,
+    fp32_dot: bool | None = None,
 ) -> torch.Tensor:
     """The Triton path of paged_latent_attention (same shapes), split-K over each table's blocks.
 
     Programs (sequence, group of block_h heads, split) each cover blocks_per_split table entries
     and write a partial output and log-sum-exp [B, NH, SP]; a second kernel combines the SP splits.
     num_splits defaults to enough programs for about two per SM (capped at 16 and at M).
+    fp32_dot: the split kernel's branch (kernels.backend.dot_in_fp32; None: by q's dtype and
+    device).
     """
     num_seqs, num_heads, width = q.shape
     page = kv_cache.shape[1]
@@ -353,8 +356,8 @@ def paged_latent_attention_triton(
         num_heads, kv_lora_rank, rope, blocks_per_split, scale * math.log2(math.e),
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *part_out.stride(),
         *part_lse.stride(),
-        PAGE=page, FP32_DOT=fp32_dot(q), BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_R=block_r,
-        BLOCK_P=block_p, num_warps=num_warps,
+        PAGE=page, FP32_DOT=dot_in_fp32(q, fp32_dot), BLOCK_H=block_h, BLOCK_T=block_t,
+        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=num_warps,
     )  # fmt: skip
     _mla_decode_reduce_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, num_splits, kv_lora_rank,

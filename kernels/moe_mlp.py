@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import fp32_dot, jit, tl, triton, use_cpu_kernel, use_triton
+from kernels.backend import dot_in_fp32, jit, tl, triton, use_cpu_kernel, use_triton
 from kernels.cpu.build import cpu_kernels
 from kernels.fp8 import BLOCK as FP8_BLOCK
 from kernels.fp8 import dequantize_block_fp8
@@ -253,6 +253,7 @@ def _grouped_gemm(
     block_n: int,
     block_k: int,
     num_warps: int,
+    fp32_dot: bool,
 ) -> None:
     """out [N, n_out] = a [N, n_in] @ w[slot] [*, n_in].T per row block (gated: silu(gate) * up)."""
     n_out, k_dim = out.shape[1], a.shape[1]
@@ -264,7 +265,7 @@ def _grouped_gemm(
         a, w, scale, out, *blocks,
         n_out, k_dim, n_out if gated else 0, scale_inv.shape[1] // 2 if fp8 and gated else 0,
         *a.stride(), *w.stride(), *scale_strides, *out.stride(),
-        GATED=gated, FP8=fp8, FP32_DOT=fp32_dot(a),
+        GATED=gated, FP8=fp8, FP32_DOT=fp32_dot,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_BLOCK=FP8_BLOCK,
         num_warps=num_warps,
     )  # fmt: skip
@@ -281,12 +282,14 @@ def grouped_expert_mlp_triton(
     block_n: int = 64,
     block_k: int = 64,
     num_warps: int = 4,
+    fp32_dot: bool | None = None,
 ) -> torch.Tensor:
     """The Triton path of grouped_expert_mlp (and, with the scales, of grouped_expert_mlp_fp8).
 
     Two grouped GEMMs over row blocks that each lie within one slot: [N, D] -> [N, I] with
     gate/up and silu(gate) * up fused, then [N, I] -> [N, D]. counts may be a device tensor [S_r].
     The intermediate [N, I] is stored in x's dtype, as the reference rounds it.
+    fp32_dot: the kernel's branch (kernels.backend.dot_in_fp32; None: by x's dtype and device).
     """
     num_rows, hidden = x.shape
     num_slots, inter = w2.shape[0], w2.shape[2]
@@ -317,7 +320,7 @@ def grouped_expert_mlp_triton(
     counts = torch.as_tensor(counts, dtype=torch.int64, device=x.device)
     blocks = _row_blocks(counts, num_rows, block_m)
     h = x.new_empty(num_rows, inter)  # [N, I]
-    tiles = (block_m, block_n, block_k, num_warps)
-    _grouped_gemm(x, w13, w13_scale_inv, h, blocks, True, *tiles)
-    _grouped_gemm(h, w2, w2_scale_inv, out, blocks, False, *tiles)
+    launch = (block_m, block_n, block_k, num_warps, dot_in_fp32(x, fp32_dot))
+    _grouped_gemm(x, w13, w13_scale_inv, h, blocks, True, *launch)
+    _grouped_gemm(h, w2, w2_scale_inv, out, blocks, False, *launch)
     return out

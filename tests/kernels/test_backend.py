@@ -1,10 +1,12 @@
 """The reference/Triton switch and the public ops' dispatch through it."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kernels import backend, gate, mla_attention, moe_mlp
-from kernels.backend import ENV_VAR, use_triton
+from kernels.backend import ENV_VAR, dot_in_fp32, use_triton
 from kernels.fp8 import quantize_block_fp8
 
 
@@ -27,6 +29,21 @@ def test_forced_triton_runs_cpu_tensors_in_the_interpreter(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "triton")
     assert backend.interpreting()  # tests/conftest.py turned it on before triton was imported
     assert use_triton(torch.zeros(1))
+
+
+def test_dot_branch():
+    """The Triton kernels' FP32_DOT: by default fp32 data always, bf16/fp16 data on the tensor
+    cores on CUDA and in fp32 elsewhere (the interpreter); a caller's choice wins, but fp32 data
+    never takes the tensor-core dot (TF32)."""
+    cuda = lambda dtype: SimpleNamespace(dtype=dtype, is_cuda=True)  # no CUDA tensors here
+    assert dot_in_fp32(cuda(torch.float32))
+    assert not dot_in_fp32(cuda(torch.bfloat16)) and not dot_in_fp32(cuda(torch.float16))
+    assert dot_in_fp32(cuda(torch.bfloat16), True)
+    cpu_bf16 = torch.zeros(1, dtype=torch.bfloat16)
+    assert dot_in_fp32(cpu_bf16) and not dot_in_fp32(cpu_bf16, False)
+    assert dot_in_fp32(torch.zeros(1), True)
+    with pytest.raises(AssertionError, match="IEEE"):
+        dot_in_fp32(torch.zeros(1), False)
 
 
 def ops():

@@ -1,11 +1,19 @@
-"""The Triton group-limited top-k gate against the torch reference."""
+"""The Triton group-limited top-k gate against the torch reference, in every branch."""
+
+import itertools
 
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from kernels.gate import grouped_topk_ref, grouped_topk_triton
+from kernels.gate import (
+    SCORING_FUNCS,
+    TOPK_METHODS,
+    grouped_topk_flags,
+    grouped_topk_ref,
+    grouped_topk_triton,
+)
 
 
 def by_expert(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -14,20 +22,20 @@ def by_expert(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, t
     return weights.gather(1, order), idx
 
 
+# (num_experts, n_group, topk_group, top_k): the group loops over 5 and 8 experts (a power of
+# two or not), and one group
+SHAPES = {"groups-of-5": (20, 4, 3, 5), "groups-of-8": (32, 4, 2, 4), "one-group": (10, 1, 1, 3)}
+
+
 @pytest.mark.parametrize("num_tokens", [1, 9])
-@pytest.mark.parametrize(
-    "num_experts, n_group, topk_group, top_k, scoring, method, norm",
-    [
-        (32, 4, 2, 4, "sigmoid", "noaux_tc", True),  # DeepSeek-V3-like
-        (24, 4, 2, 3, "softmax", "group_limited_greedy", False),  # V2-like, groups of 6
-        (20, 4, 3, 5, "sigmoid", "noaux_tc", False),  # groups of 5, not a power of two
-        (10, 1, 1, 3, "softmax", "greedy", False),  # V2-Lite-like
-        (16, 4, 2, 3, "softmax", "greedy", True),  # greedy ignores the groups
-    ],
-)
-def test_matches_reference(
-    num_tokens, num_experts, n_group, topk_group, top_k, scoring, method, norm, device
-):
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "raw"])
+@pytest.mark.parametrize("method", TOPK_METHODS)
+@pytest.mark.parametrize("scoring", SCORING_FUNCS)
+def test_matches_reference(num_tokens, shape, norm, method, scoring, device):
+    """Every branch of the kernel (grouped_topk_flags: each scoring x method x grouped or not x
+    norm, 16 combinations of its constexprs) against the reference."""
+    num_experts, n_group, topk_group, top_k = SHAPES[shape]
     gen = torch.Generator().manual_seed(num_experts + num_tokens)
     # continuous random logits and bias: no ties, so the chosen sets are unique
     logits = torch.randn(num_tokens, num_experts, generator=gen).to(device)
@@ -40,6 +48,19 @@ def test_matches_reference(
     weights, idx = by_expert(weights, idx)
     assert torch.equal(idx, ref_idx)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_the_grid_reaches_every_branch():
+    """test_matches_reference's grid launches all 16 combinations of the kernel's constexprs
+    (BIAS and TOP2 go together: noaux_tc)."""
+    groups = {shape[1] for shape in SHAPES.values()}
+    combos = {
+        tuple(grouped_topk_flags(scoring, method, n_group, norm).values())
+        for scoring, method, n_group, norm in itertools.product(
+            SCORING_FUNCS, TOPK_METHODS, groups, (True, False)
+        )
+    }
+    assert len(combos) == 16
 
 
 @pytest.mark.parametrize(

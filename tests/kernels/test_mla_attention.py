@@ -1,4 +1,5 @@
-"""The Triton split-K paged MLA decode attention against the torch reference."""
+"""The Triton split-K paged MLA decode attention against the torch reference: both branches of
+the split kernel (the fp32/IEEE dot and the tensor-core dot) and the reduce kernel, per dtype."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from kernels.mla_attention import (
     paged_latent_attention_ref,
     paged_latent_attention_triton,
 )
+from tests.kernels.branches import BRANCHES
 
 PAD_BLOCK = 0  # padding entries of a table point here; it holds only NaN
 
@@ -35,7 +37,7 @@ def paged_case(
     return q.to(device, dtype), cache.to(device, dtype), tables.to(device), lens.to(device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, fp32_dot, dot_kind", BRANCHES)
 @pytest.mark.parametrize(
     "context_lens, num_heads, rank, rope, page, num_splits",
     [
@@ -46,22 +48,30 @@ def paged_case(
         ([7, 16], 2, 16, 16, 8, None),  # the default split count
     ],
 )
-def test_matches_reference(context_lens, num_heads, rank, rope, page, num_splits, dtype, device):
+def test_matches_reference(
+    context_lens, num_heads, rank, rope, page, num_splits, dtype, fp32_dot, dot_kind, device, dots
+):
     q, cache, tables, lens = paged_case(
         context_lens, num_heads, rank, rope, page, dtype, device, seed=len(context_lens)
     )
     scale = (rank + rope) ** -0.5
     out = paged_latent_attention_triton(
-        q, cache, tables, lens, scale, rank, num_splits=num_splits, block_t=16
+        q, cache, tables, lens, scale, rank, num_splits=num_splits, block_t=16, fp32_dot=fp32_dot
     )
+    dots.assert_only(dot_kind)
     ref = paged_latent_attention_ref(q, cache, tables, lens, scale, rank)
     assert out.shape == (len(context_lens), num_heads, rank) and out.dtype == dtype
     assert not out.isnan().any()
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     else:
-        # Both compute in fp32 here and round once; Triton's interpreter converts fp32 to bf16 by
-        # truncation (1 ulp = 2^-7 relative), the reference rounds (0.5 ulp); on a GPU the kernel
-        # also multiplies bf16 probabilities by the values (2^-9 each). Outputs are averages of
-        # values of size <= ~4.
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2.0**-6, atol=2.0**-6)
+        # The reference computes in fp32 from the 16-bit inputs and rounds once (0.5 ulp). The
+        # kernel's products of 16-bit inputs are exact, summed in fp32 (the bf16 tensor-core
+        # branch's dots by the tests' emulation, tests/kernels/branches.py: this bounds rounding,
+        # not tensor-core arithmetic); that branch also rounds the probabilities to the dtype
+        # before multiplying the values, and Triton's interpreter converts fp32 to bf16 by
+        # truncation (1 ulp). Outputs are averages of values of size <= ~4: 2 ulps of 1 bound
+        # the rounding. A row read past a context is NaN (so is all the cache nothing wrote),
+        # and a wrong operand or a missing rescale in a branch's dots is off by a value's size.
+        tol = 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
