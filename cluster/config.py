@@ -39,6 +39,7 @@ from cluster.config_checks import (
     set_path,
 )
 from cluster.config_legacy import upgrade_flat
+from cluster.config_memory import pool_memory
 from cluster.config_sections import (
     POOL_CHECKS,
     POOLS,
@@ -134,6 +135,9 @@ class ClusterConfig:
             except EngineConfigError as e:
                 path = self._engine_path(pool, e.field).rpartition(".")[0] + "."
                 raise ConfigError(engine_message(e, path)) from e
+        if self.ray.gpu_memory_bytes is not None:
+            for pool in POOLS:
+                pool_memory(self, pool, self.ray.gpu_memory_bytes)
         if self._pool_engine_value("decode", "cuda_graph") and self.ray.gpus_per_rank == 0:
             raise ConfigError(
                 f"{self._engine_path('decode', 'cuda_graph')} needs GPUs: ray.gpus_per_rank is 0 "

@@ -82,6 +82,9 @@ class RayConfig:
     # ray_address set; remove them with the local Ray this router started)
     keep_pools: bool | None = None
     gpus_per_rank: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
+    # bytes of one GPU: every pool's rank must fit it (cluster/config_memory.py) before Ray
+    # starts; null: unknown, no check
+    gpu_memory_bytes: float | None = None
     cpus_per_rank: float = 0.5  # CPU share of a rank's bundle
     torch_threads: int = 1  # per rank process
     start_timeout_s: float = 300.0  # a pool's placement and start
@@ -147,6 +150,11 @@ SECTIONS: dict[str, tuple[type, list[Check]]] = {
                 "gpus_per_rank",
                 lambda s: s.gpus_per_rank is None or s.gpus_per_rank >= 0,
                 "must be null or >= 0",
+            ),
+            (
+                "gpu_memory_bytes",
+                lambda s: s.gpu_memory_bytes is None or s.gpu_memory_bytes > 0,
+                "must be null or > 0",
             ),
         ],
     ),

@@ -193,12 +193,13 @@ class Balancer:
         old, new = self.placement.phy2log, self._new.phy2log
         self._moves = []
         for pos in layers:
-            layer = self.placement.layers[pos]
+            layer, fp8 = self.placement.layers[pos], self.moes[pos].experts.fp8
 
-            def reader(expert: int, layer: int = layer) -> tuple[torch.Tensor, torch.Tensor]:
-                return read_expert(
-                    self.config.model, layer, expert, self.config.torch_dtype, self.config.device
-                )
+            def reader(
+                expert: int, layer: int = layer, fp8: bool = fp8
+            ) -> tuple[torch.Tensor, ...]:
+                c = self.config  # FP8 experts read as stored, scales too (Experts.slot_tensors)
+                return read_expert(c.model, layer, expert, c.torch_dtype, c.device, fp8)
 
             move = LayerMove(
                 self.moes[pos],

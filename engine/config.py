@@ -29,6 +29,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     mla_absorb: bool = True  # decode in the latent space (weight absorption)
     seed: int = 0  # draws the seeds of requests that bring none
+    # FP8 block-quantized routed experts (DeepSeek-V3's checkpoints): "keep" holds them in FP8
+    # with their scales (the Triton FP8 grouped GEMM on GPUs; a CPU dequantizes them per use),
+    # "dequantize" converts them to dtype on load, "auto" keeps them on CUDA and dequantizes on
+    # a CPU. Other checkpoints load the same under every choice.
+    fp8_experts: str = "auto"
     # Two-batch overlap in expert-parallel pools: "on", "off", or "auto" (when the largest batch
     # in the pool has at least tbo_min_tokens: below that the split costs more than it hides).
     two_batch_overlap: str = "auto"
@@ -60,6 +65,11 @@ class EngineConfig:
             "two_batch_overlap",
             "must be on, off or auto",
         )
+        need(
+            self.fp8_experts in ("keep", "dequantize", "auto"),
+            "fp8_experts",
+            "must be keep, dequantize or auto",
+        )
         need(self.tbo_min_tokens >= 2, "tbo_min_tokens", "must be >= 2")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         need(self.eplb_min_gain >= 0, "eplb_min_gain", "must be >= 0")
@@ -77,3 +87,9 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def keep_fp8_experts(self) -> bool:
+        """Whether the loader keeps FP8 experts in FP8 (moe.loader.load_model)."""
+        auto = self.fp8_experts == "auto" and self.device.startswith("cuda")
+        return self.fp8_experts == "keep" or auto

@@ -35,6 +35,7 @@ def build_ep_engine(
         dtype=config.torch_dtype,
         device=config.device,
         experts=placement.rank_experts(rank),
+        keep_fp8_experts=config.keep_fp8_experts,
     )
     model.install_expert_parallel(group, placement, rank)
     # Expert weights of a live re-placement travel on a group of their own, beside the

@@ -64,7 +64,9 @@ class LLMEngine(EngineReports):
         self.ep_group, self.ep_size = ep_group, ep_size
         self.pool_has_unfinished = False  # from the last agreement: any rank with requests
         self.last_step_tokens = 0  # tokens the last step ran (the pool's largest batch, in EP)
-        self.model = model or load_model(path, dtype=config.torch_dtype, device=config.device)
+        self.model = model or load_model(
+            path, config.torch_dtype, config.device, keep_fp8_experts=config.keep_fp8_experts
+        )
         mc = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(
             path, mc.vocab_size, mc.eos_token_id, mc.bos_token_id

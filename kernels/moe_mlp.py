@@ -64,7 +64,7 @@ def grouped_expert_mlp(
 
 def grouped_expert_mlp_fp8(
     x: torch.Tensor,
-    counts: list[int],
+    counts: list[int] | torch.Tensor,
     w13: torch.Tensor,
     w13_scale_inv: torch.Tensor,
     w2: torch.Tensor,
@@ -75,10 +75,36 @@ def grouped_expert_mlp_fp8(
     w13 [S_r, 2I, D], w13_scale_inv [S_r, 2 * ceil(I/128), ceil(D/128)] (gate and up quantized
     separately, as in the checkpoint: gate blocks, then up blocks); w2 [S_r, D, I],
     w2_scale_inv [S_r, ceil(D/128), ceil(I/128)] -> [N, D] in x's dtype.
+    Triton where use_triton(x); elsewhere the weights are dequantized to x's dtype for this call
+    and run by grouped_expert_mlp: bit for bit what weights dequantized on load compute.
     """
     if use_triton(x):
         return grouped_expert_mlp_triton(x, counts, w13, w2, w13_scale_inv, w2_scale_inv)
-    return grouped_expert_mlp_fp8_ref(x, counts, w13, w13_scale_inv, w2, w2_scale_inv)
+    # NOTE: every slot, every call: a CPU serves FP8 checkpoints dequantized on load by default
+    # (EngineConfig.fp8_experts), this path trades that memory for time.
+    w13_deq, w2_deq = dequantize_experts(w13, w13_scale_inv, w2, w2_scale_inv, x.dtype)
+    return grouped_expert_mlp(x, counts, w13_deq, w2_deq)
+
+
+def dequantize_experts(
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 expert weights in grouped_expert_mlp_fp8's layout -> (w13 [S_r, 2I, D],
+    w2 [S_r, D, I]) in dtype, each block times its scale in fp32 and then rounded to dtype."""
+    deq = lambda w, scale_inv: dequantize_block_fp8(w, scale_inv).to(dtype)
+    inter, half = w2.shape[2], w13_scale_inv.shape[1] // 2  # gate and up were quantized apart
+    w13_deq = torch.stack(
+        [
+            torch.cat([deq(w[:inter], s[:half]), deq(w[inter:], s[half:])])
+            for w, s in zip(w13, w13_scale_inv)
+        ]
+    )  # [S_r, 2I, D]
+    w2_deq = torch.stack([deq(w, s) for w, s in zip(w2, w2_scale_inv)])  # [S_r, D, I]
+    return w13_deq, w2_deq
 
 
 def grouped_expert_mlp_ref(
@@ -110,15 +136,7 @@ def grouped_expert_mlp_fp8_ref(
     w2_scale_inv: torch.Tensor,
 ) -> torch.Tensor:
     """The torch reference of grouped_expert_mlp_fp8: dequantize to x's dtype, then the MLP."""
-    deq = lambda w, scale_inv: dequantize_block_fp8(w, scale_inv).to(x.dtype)
-    inter, half = w2.shape[2], w13_scale_inv.shape[1] // 2  # gate and up were quantized apart
-    w13_deq = torch.stack(
-        [
-            torch.cat([deq(w[:inter], s[:half]), deq(w[inter:], s[half:])])
-            for w, s in zip(w13, w13_scale_inv)
-        ]
-    )  # [S_r, 2I, D]
-    w2_deq = torch.stack([deq(w, s) for w, s in zip(w2, w2_scale_inv)])  # [S_r, D, I]
+    w13_deq, w2_deq = dequantize_experts(w13, w13_scale_inv, w2, w2_scale_inv, x.dtype)
     return grouped_expert_mlp_ref(x, counts, w13_deq, w2_deq)
 
 

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kernels.fp8 import BLOCK as FP8_BLOCK
 from kernels.gate import grouped_topk
 from kernels.linear import Linear, fuse_rows, linear
-from kernels.moe_mlp import dense_mlp, grouped_expert_mlp, silu_and_mul
+from kernels.moe_mlp import dense_mlp, grouped_expert_mlp, grouped_expert_mlp_fp8, silu_and_mul
 from moe.config import ModelConfig
 from moe.dispatch import Dispatcher, LocalDispatcher
 from moe.overlap import Stages, run_to_end
@@ -69,7 +70,10 @@ class Gate(nn.Module):
 class Experts(nn.Module):
     """The routed experts this rank holds: slot s holds logical expert expert_ids[s].
 
-    Weights are stacked per slot: w13 [S_r, 2I, D] (gate rows, then up rows), w2 [S_r, D, I].
+    Weights are stacked per slot: w13 [S_r, 2I, D] (gate rows, then up rows), w2 [S_r, D, I], in
+    the model's dtype; or, after keep_fp8, float8_e4m3fn with fp32 block scales
+    w13_scale_inv [S_r, 2 * ceil(I/128), ceil(D/128)] (gate blocks, then up blocks) and
+    w2_scale_inv [S_r, ceil(D/128), ceil(I/128)].
     """
 
     def __init__(self, config: ModelConfig, expert_ids: Sequence[int]) -> None:
@@ -79,10 +83,39 @@ class Experts(nn.Module):
         num_slots, hidden, inter = len(expert_ids), config.hidden_size, config.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_slots, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_slots, hidden, inter))
+        self.register_buffer("w13_scale_inv", None)
+        self.register_buffer("w2_scale_inv", None)
+
+    @property
+    def fp8(self) -> bool:
+        return self.w13_scale_inv is not None
+
+    def keep_fp8(self) -> None:
+        """Hold the weights as block-quantized FP8 (the loader calls this before it allocates:
+        on the meta device, after the model's dtype is set)."""
+        num_slots, two_inter, hidden = self.w13.shape
+        inter, device, fp8 = two_inter // 2, self.w13.device, torch.float8_e4m3fn
+        bi, bh = -(-inter // FP8_BLOCK), -(-hidden // FP8_BLOCK)
+        w13 = torch.empty(num_slots, two_inter, hidden, dtype=fp8, device=device)
+        w2 = torch.empty(num_slots, hidden, inter, dtype=fp8, device=device)
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.w13_scale_inv = torch.empty(num_slots, 2 * bi, bh, device=device)
+        self.w2_scale_inv = torch.empty(num_slots, bh, bi, device=device)
+
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor with one entry per slot, by attribute name: what a live re-placement
+        moves (moe/replacement.py), in the order moe.loader.read_expert returns them."""
+        names = ("w13", "w2", "w13_scale_inv", "w2_scale_inv") if self.fp8 else ("w13", "w2")
+        return {name: getattr(self, name) for name in names}
 
     def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """x [N, D] rows grouped by local slot (counts [S_r], a list or a tensor) -> [N, D]
         unweighted outputs."""
+        if self.fp8:
+            return grouped_expert_mlp_fp8(
+                x, counts, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv
+            )
         return grouped_expert_mlp(x, counts, self.w13, self.w2)
 
 

@@ -9,7 +9,8 @@ slots takes its expert's weights from one of its own old slots (a local copy), o
 rank whose old slots held that expert (a point-to-point transfer on the pool's moves group, tagged
 by slot). The weights land in fresh tensors; the old ones keep serving until every rank of the
 pool has its new weights and all switch at the same step (engine/balancer.py decides when). When
-a transfer fails, the rank reads the expert from the checkpoint instead.
+a transfer fails, the rank reads the expert from the checkpoint instead. FP8 experts move as
+stored, their block scales with them (Experts.slot_tensors).
 """
 
 import threading
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from kernels import hugepages
 from moe.layers import MoE
 
-ExpertReader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # expert -> (w13, w2)
+# expert -> its tensors in Experts.slot_tensors' order: (w13, w2), FP8 experts their scales too
+ExpertReader = Callable[[int], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +71,10 @@ class LayerMove:
         mine = range(rank * per_rank, (rank + 1) * per_rank)
         self.moe, self.new_ids = moe, new[mine.start : mine.stop]
         self.read_expert = read_expert
-        self.w13 = torch.empty_like(experts.w13)  # [S_r, 2I, D]
-        self.w2 = torch.empty_like(experts.w2)  # [S_r, D, I]
-        hugepages.advise([self.w13, self.w2])  # before they are written, as the loader does
+        # w13 [S_r, 2I, D], w2 [S_r, D, I] (FP8: and their block scales): each moves with a slot
+        old_tensors = experts.slot_tensors()
+        self.new = {name: torch.empty_like(t) for name, t in old_tensors.items()}
+        hugepages.advise(list(self.new.values()))  # before they are written, as the loader does
         self.bytes_received = 0
         local_slot = {e: s for s, e in reversed(list(enumerate(experts.expert_ids)))}
         transfers = plan_layer(old, new, num_ranks)
@@ -79,20 +82,21 @@ class LayerMove:
         self._sends: list[dist.Work] = []
         # local copies: on the waiter thread, off the step
         self._copies = [(s - mine.start, local_slot[new[s]]) for s in mine if new[s] in local_slot]
-        tag = layer_pos * len(new)
+        tag, per_slot = layer_pos * len(new), len(self.new)
         for t in transfers:  # posted in the plan's order on every rank: tags match them up
+            key = per_slot * (tag + t.slot)
             if t.dst == rank:
                 i = t.slot - mine.start
                 works = [
-                    dist.irecv(self.w13[i], t.src, group=group, tag=2 * (tag + t.slot)),
-                    dist.irecv(self.w2[i], t.src, group=group, tag=2 * (tag + t.slot) + 1),
+                    dist.irecv(_wire(w[i]), t.src, group=group, tag=key + k)
+                    for k, w in enumerate(self.new.values())
                 ]
                 self._recvs.append((i, t.expert, works))
-                self.bytes_received += self.w13[i].nbytes + self.w2[i].nbytes
+                self.bytes_received += sum(w[i].nbytes for w in self.new.values())
             elif t.src == rank:
-                j, key = local_slot[t.expert], 2 * (tag + t.slot)
-                self._sends.append(dist.isend(experts.w13[j], t.dst, group=group, tag=key))
-                self._sends.append(dist.isend(experts.w2[j], t.dst, group=group, tag=key + 1))
+                j = local_slot[t.expert]
+                for k, w in enumerate(old_tensors.values()):
+                    self._sends.append(dist.isend(_wire(w[j]), t.dst, group=group, tag=key + k))
 
         # NOTE: a waiter thread: gloo's point-to-point works only complete inside wait().
         self._failed: list[tuple[int, int]] = []  # (local slot, expert) whose receive failed
@@ -101,9 +105,10 @@ class LayerMove:
 
     def _wait_all(self) -> None:
         with torch.inference_mode():  # like the weights they copy (moe.loader)
+            old = self.moe.experts.slot_tensors()
             for i, j in self._copies:
-                self.w13[i].copy_(self.moe.experts.w13[j])
-                self.w2[i].copy_(self.moe.experts.w2[j])
+                for name, w in self.new.items():
+                    w[i].copy_(old[name][j])
         for i, expert, works in self._recvs:
             try:
                 for w in works:
@@ -126,14 +131,20 @@ class LayerMove:
         -> how many experts came from the checkpoint."""
         self._done.wait()
         for i, expert in self._failed:
-            w13, w2 = self.read_expert(expert)
-            self.w13[i].copy_(w13)
-            self.w2[i].copy_(w2)
+            tensors = self.read_expert(expert)
+            assert len(tensors) == len(self.new), (len(tensors), list(self.new))
+            for w, t in zip(self.new.values(), tensors):
+                w[i].copy_(t)
         return len(self._failed)
 
     def apply(self) -> None:
         """Swap in the new weights and expert ids (the caller swaps the dispatch maps)."""
         experts = self.moe.experts
-        experts.w13.data = self.w13
-        experts.w2.data = self.w2
+        for name, w in self.new.items():
+            getattr(experts, name).data = w
         experts.expert_ids = list(self.new_ids)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What goes on the wire for t: FP8 as its bytes (a backend may have no float8 type)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -79,21 +79,26 @@ def plan_memory(
     step_tokens: int = 8192,
     kv_budget_bytes: float | None = None,
     min_kv_tokens: int = 0,
+    expert_dtype: str | None = None,
 ) -> MemoryPlan:
     """The plan of one GPU; raises MemoryPlanError when it cannot fit.
 
     kv_budget_bytes: the KV cache asked for (None: all that is left after the rest).
     min_kv_tokens: the cache must hold at least this many positions (e.g. one full context).
+    expert_dtype: the routed experts' (None: weight_dtype's), e.g. FP8 experts beside bf16
+    attention, as moe.loader serves an FP8 checkpoint with fp8_experts kept. FP8's block scales
+    (4 B per 128 x 128 block, 0.02%) are left to the reserve.
     """
     if ep_size < 1 or redundant_experts < 0:
         raise ValueError("ep_size >= 1 and redundant_experts >= 0")
+    expert_dtype = expert_dtype or weight_dtype
     w = DTYPE_BYTES[weight_dtype]
     head_w = DTYPE_BYTES["bf16"] if weight_dtype == "fp8" else w  # embedding, lm_head
     c = model.config
     embed = model.embed_params * (1 if c.tie_word_embeddings else 2)
     replicated = (model.replicated_params - embed) * w + embed * head_w
     slots = math.ceil((c.n_routed_experts + redundant_experts) / ep_size)
-    experts = slots * model.num_moe_layers * model.expert_params * w
+    experts = slots * model.num_moe_layers * model.expert_params * DTYPE_BYTES[expert_dtype]
     act_dtype = DTYPE_BYTES["fp32" if weight_dtype == "fp32" else "bf16"]
     acts = activation_bytes(model, step_tokens, min(step_tokens, 256), act_dtype)
     reserve = RESERVE_FRACTION * gpu_bytes
@@ -103,8 +108,47 @@ def plan_memory(
     plan = MemoryPlan(gpu_bytes, replicated, experts, acts, reserve, max(kv, 0.0), per_token)
     if free < kv or kv < min_kv_tokens * per_token or kv <= 0:
         raise MemoryPlanError(
-            f"{model.name} {weight_dtype} EP{ep_size} (+{redundant_experts} redundant) does not "
+            f"{model.name} {weight_dtype}"
+            f"{'' if expert_dtype == weight_dtype else f' (experts {expert_dtype})'} "
+            f"EP{ep_size} (+{redundant_experts} redundant) does not "
             f"fit a {gpu_bytes / GIB:.1f} GiB GPU: {plan.describe()}; needs "
             f"{(gpu_bytes - free + max(kv, min_kv_tokens * per_token)) / GIB:.1f} GiB"
         )
     return plan
+
+
+# EngineConfig.dtype -> the planner's dtype names (float16 weighs what bf16 does)
+ENGINE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
+
+
+def rank_memory(
+    model: PlanModel,
+    gpu_bytes: float,
+    ep_size: int,
+    dtype: str,
+    fp8_experts: bool,
+    kv_cache_bytes: float,
+    step_tokens: int,
+    num_slots: int | None = None,
+) -> MemoryPlan:
+    """What one rank of an engine pool holds, as moe.loader and the engine serve it: every
+    weight but the routed experts in the engine's `dtype` (an FP8 checkpoint's too: dequantized
+    on load), the rank's expert slots in FP8 when fp8_experts (kept) else in `dtype`, the KV cache
+    of kv_cache_bytes (its latents in `dtype`), and the activations of a step of step_tokens
+    (max_num_batched_tokens); raises MemoryPlanError when it cannot fit.
+
+    num_slots: the pool's physical expert slots (a placement's; None: one per expert).
+    """
+    plan_dtype = ENGINE_DTYPES[dtype]
+    experts = model.config.n_routed_experts
+    return plan_memory(
+        model,
+        gpu_bytes,
+        ep_size,
+        weight_dtype=plan_dtype,
+        kv_dtype=plan_dtype,
+        redundant_experts=max((num_slots or experts) - experts, 0),
+        step_tokens=step_tokens,
+        kv_budget_bytes=kv_cache_bytes,
+        expert_dtype="fp8" if fp8_experts else plan_dtype,
+    )
