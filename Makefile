@@ -9,15 +9,17 @@ PROMPT ?= A class
 PROM_DIR := $(VENV)/prometheus
 PROMETHEUS := $(PROM_DIR)/usr/bin/prometheus
 
-.PHONY: install run generate test lint proto clean prometheus multinode-demo
+.PHONY: install run generate test lint proto clean prometheus multinode-demo gpu-check
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard */__init__.py)  # a new package needs a reinstall
+# A new package, or changed C++ of the CPU kernels, needs a reinstall: setup.py builds the kernels
+# (against the torch installed first, hence --no-build-isolation), so no engine compiles at start.
+$(STAMP): pyproject.toml setup.py $(wildcard */__init__.py kernels/cpu/*.cpp kernels/cpu/*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q torch==2.13.0 'setuptools>=68' 'ninja>=1.11,<2'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
 run: install  # the embedded default: tiny model, 2 prefill + 2 decode ranks, gRPC on :50051
@@ -39,6 +41,9 @@ $(PROMETHEUS):
 test: install prometheus
 	$(PY) -m pytest -q
 
+gpu-check: install  # the first thing to run on a GPU (bench/gpu_check.py); DRY_RUN=1 without one
+	$(PY) -m bench.gpu_check $(if $(DRY_RUN),--dry-run)
+
 multinode-demo: install  # three Ray nodes as network namespaces on this machine (root)
 	$(PY) -m deploy.multinode_demo
 
@@ -49,4 +54,4 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build kernels/cpu/_ext_*

@@ -1,4 +1,5 @@
-"""The compiled CPU kernels (fp32, C++ built by torch's cpp_extension; build.py: cpu_kernels()).
+"""The compiled CPU kernels (fp32 C++, built by `pip install`: setup.py, prebuilt.py; build.py's
+cpu_kernels() serves them, built on first use only where the install built none that fits).
 
 - gemm.cpp: y = x @ W.T (in place or over panels packed once), the routed experts' MLPs in one
   call per layer.

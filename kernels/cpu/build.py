@@ -1,6 +1,9 @@
-"""The build of the compiled CPU kernels (the sources beside this file, kernels/cpu/__init__.py
-lists them): fp32, built on first use by torch's cpp_extension for the widest vectors the CPU
-has, one extension module per checkout and CPU kind.
+"""The compiled CPU kernels (the sources beside this file, kernels/cpu/__init__.py lists them):
+fp32, for the widest vectors the CPU has. `pip install` builds them (setup.py; kernels/cpu/
+prebuilt.py names and finds that module); where the install built none for this CPU and these
+sources (an editable checkout whose C++ changed, another vector width), torch's cpp_extension
+builds them on first use, one extension module per checkout and CPU kind, and a warning says so
+(EPCLUSTER_CPU_KERNEL_JIT=0 makes that build an error: a start that must not compile).
 
 They exist because torch's CPU paths leave most of this machine unused at decode sizes: MKL
 packs every weight matrix on each call (5-16 GB/s for a few rows, where the machine reads ~45),
@@ -23,22 +26,19 @@ from types import ModuleType
 
 import torch
 
+from kernels.cpu.prebuilt import FLAGS, HEADERS, HERE, LDFLAGS, SOURCES, load_prebuilt
+
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).resolve().parent
-SOURCES = ("gemm.cpp", "attention.cpp", "ops.cpp", "decode_layer.cpp", "bindings.cpp")
-HEADERS = ("simd.h", "kernels.h")
-FLAGS = {
-    "AVX512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"],
-    "AVX2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
-}
 ENV_VAR = "EPCLUSTER_CPU_KERNEL"
+JIT_ENV_VAR = "EPCLUSTER_CPU_KERNEL_JIT"
 STALE_LOCK_S = 300.0  # a build lock older than this was left by a process killed mid-build
 
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None (no AVX2, EPCLUSTER_CPU_KERNEL=0, or the build failed)."""
+    """The compiled module: the install's (kernels/cpu/prebuilt.py), else built now; or None
+    (no AVX2, EPCLUSTER_CPU_KERNEL=0, or the build failed)."""
     if os.environ.get(ENV_VAR, "1") == "0":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
@@ -49,6 +49,13 @@ def cpu_kernels() -> ModuleType | None:
             capability,
         )
         return None
+    module, why = load_prebuilt(capability, torch.__version__)
+    if module is not None:
+        log.info("CPU kernels (%s): %s", capability, why)
+        return module
+    if os.environ.get(JIT_ENV_VAR, "1") == "0":
+        raise RuntimeError(f"the CPU kernels need a build ({why}), and {JIT_ENV_VAR}=0")
+    log.warning("CPU kernels (%s): %s: building them now (50-90 s, once)", capability, why)
     from torch.utils import cpp_extension
 
     # NOTE: the venv's bin first: a pip-installed ninja lives there, and torch looks on PATH.
@@ -66,7 +73,7 @@ def cpu_kernels() -> ModuleType | None:
             name,
             [str(HERE / name) for name in SOURCES],
             extra_cflags=FLAGS[capability],
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=LDFLAGS,
         )
     except Exception as e:  # no compiler, no headers: slower, still correct
         log.warning(
