@@ -147,14 +147,16 @@ class BlockManager:
 
     def commit(
         self, block_table: list[int], token_ids: Sequence[int], num_computed_tokens: int
-    ) -> None:
-        """Register the hashes of the full blocks whose tokens are all computed.
+    ) -> list[int]:
+        """Register the hashes of the full blocks whose tokens are all computed; -> the block ids
+        hashed by this call (the KV tiers' write-back offers them).
 
         Idempotent. A hash already held by another block keeps that mapping: this block then stays
         unhashed and goes to the free list when released.
         """
+        hashed: list[int] = []
         if not self.enable_prefix_caching:
-            return
+            return hashed
         num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
         assert num_full <= len(block_table), (num_full, len(block_table))
         prev = b""
@@ -169,6 +171,8 @@ class BlockManager:
             if prev not in self.hash_to_block:
                 self.hash_to_block[prev] = block_id
                 self.block_hash[block_id] = prev
+                hashed.append(block_id)
+        return hashed
 
     def free(self, block_table: list[int]) -> None:
         """Release a request's blocks and clear block_table.

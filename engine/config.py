@@ -1,10 +1,21 @@
 """EngineConfig: everything one rank's engine needs, checked once."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class KVTiersConfig:
+    """The tiers below the paged cache (engine/kv_tiers/, docs/kv_tiers.md): a host-memory
+    budget and a disk directory with its budget (0 bytes: that tier is off)."""
+
+    host_bytes: int = 0
+    disk_path: str | None = None
+    disk_bytes: int = 0
 
 
 class EngineConfigError(ValueError):
@@ -49,6 +60,7 @@ class EngineConfig:
     eplb_max_moves: int = 0  # slots per layer one rebalance may change (0: any)
     eplb_layers_per_round: int = 1  # layers moved and switched per round (0: all at once)
     eplb_decay: float = 0.5  # the share of the old load window kept at each rebalance
+    kv_tiers: KVTiersConfig | None = None  # None: no tiers below the paged cache
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -83,6 +95,21 @@ class EngineConfig:
             "false",
         )
         need(self.cuda_graph_max_batch >= 1, "cuda_graph_max_batch", "must be >= 1")
+        self._check_kv_tiers(need)
+
+    def _check_kv_tiers(self, need: Callable[[bool, str, str], None]) -> None:
+        t = self.kv_tiers
+        if t is None:
+            return
+        need(isinstance(t, KVTiersConfig), "kv_tiers", "must be a KVTiersConfig or None")
+        need(t.host_bytes >= 0 and t.disk_bytes >= 0, "kv_tiers", "budgets must be >= 0")
+        need(
+            (t.disk_path is None) == (t.disk_bytes == 0),
+            "kv_tiers",
+            "disk_path and disk_bytes go together (both set, or neither)",
+        )
+        need(t.host_bytes > 0 or t.disk_bytes > 0, "kv_tiers", "needs a host or a disk budget")
+        need(self.enable_prefix_caching, "kv_tiers", "needs enable_prefix_caching")
 
     @property
     def torch_dtype(self) -> torch.dtype:

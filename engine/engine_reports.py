@@ -10,6 +10,7 @@ from engine.balancer import Balancer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.handoff import Reservations
+from engine.kv_tiers.link import TierLink
 from engine.messages import RankStatus
 from engine.metrics.rank import RankStats
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -25,6 +26,7 @@ class EngineReports:
     reservations: Reservations
     balancer: Balancer | None
     stats: RankStats
+    tiers: TierLink | None
     max_model_len: int
     num_steps: int
     comm: CommStats
@@ -91,6 +93,14 @@ class EngineReports:
             tokens = load.tolist() if load is not None else [0] * len(experts)
             out[layer] = (tokens, experts)
         return out
+
+    def kv_tier_stats(self) -> dict[str, object]:
+        """The KV tiers' counters, for metrics: per tier ("host", "disk") its TierStats, the
+        engine's LinkStats under "link", the store's dropped offers; {} when the tiers are off."""
+        if self.tiers is None:
+            return {}
+        store = self.tiers.store
+        return {**store.stats(), "link": self.tiers.stats, "dropped_writes": store.dropped_writes}
 
     def assert_no_leaks(self) -> None:
         """With no request alive, every KV block is free or cached and unreferenced."""

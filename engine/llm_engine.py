@@ -17,6 +17,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import update_text
 from engine.engine_reports import EngineReports
 from engine.handoff import Reservations
+from engine.kv_tiers.key import KeySpace, model_fingerprint
+from engine.kv_tiers.link import TierLink
 from engine.kv_transfer import export_kv
 from engine.messages import (
     GenerateRequest,
@@ -76,7 +78,8 @@ class LLMEngine(EngineReports):
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.max_model_len = self._max_model_len()
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.tiers = self._tiers()
+        self.scheduler = Scheduler(config, self.block_manager, self.tiers)
         self.requests: dict[str, Request] = {}
         self.stats = RankStats()  # the rank's metrics, counted on this thread
         self.comm = self.model.share_comm_stats()
@@ -100,6 +103,25 @@ class LLMEngine(EngineReports):
         # The requests of the step being run (empty between steps): if the step raises and the
         # engine stops, these are the suspects (RankStopped.suspects).
         self._stepping: list[Request] = []
+
+    def _tiers(self) -> TierLink | None:
+        """The KV tiers below the paged cache, keyed by this model, dtype, block size and layer
+        count (None when config.kv_tiers is)."""
+        if self.config.kv_tiers is None:
+            return None
+        caches = self.runner.kv_caches
+        space = KeySpace(
+            model_fingerprint(self.model.config, self.config.model),
+            str(caches[0].dtype).removeprefix("torch."),
+            self.config.block_size,
+            len(caches),
+        )
+        return TierLink(self.config.kv_tiers, space, self.block_manager, caches)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """An orderly stop: the tiers write what is queued (at most timeout_s)."""
+        if self.tiers is not None:
+            self.tiers.close(timeout_s)
 
     def _max_model_len(self) -> int:
         """The context limit: the config's or the model's, lowered (with a warning) to what this
@@ -242,6 +264,7 @@ class LLMEngine(EngineReports):
             self._stepping = batch.requests
             result = self.postprocess(batch, self.runner.run(batch.requests, batch.num_new_tokens))
             self._stepping = []
+            self._offer_filled()
             self._record_step(started, batch, None)
             return result
         num_tokens = sum(batch.num_new_tokens)
@@ -266,8 +289,23 @@ class LLMEngine(EngineReports):
         sampled = self.runner.run(batch.requests, batch.num_new_tokens, split)
         result = self.postprocess(batch, sampled) if batch.requests else StepResult()
         self._stepping = []
+        self._offer_filled()
         self._record_step(started, batch, split)
         return result
+
+    def _offer_filled(self) -> None:
+        """Write-back: the blocks this step filled go to the tiers (copied now, written by the
+        store's thread), before the next schedule can reuse them."""
+        if self.tiers is not None:
+            self.tiers.offer_filled()
+
+    def _commit(self, req: Request) -> None:
+        """Hash req's newly full blocks (the prefix cache); the tiers get them after the step."""
+        hashed = self.block_manager.commit(
+            req.block_table, req.all_token_ids, req.num_computed_tokens
+        )
+        if self.tiers is not None:
+            self.tiers.filled(hashed)
 
     def suspects(self) -> tuple[str, ...]:
         """The ids of the requests in the step that is running, or that raised (none between
@@ -287,9 +325,7 @@ class LLMEngine(EngineReports):
             req.num_computed_tokens += n
             self.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
-                self.block_manager.commit(
-                    req.block_table, req.all_token_ids, req.num_computed_tokens
-                )
+                self._commit(req)
                 continue  # a prompt chunk: nothing sampled yet
             token, logprobs = sampled.token_ids[j], sampled.logprobs[j]
             j += 1
@@ -303,7 +339,7 @@ class LLMEngine(EngineReports):
         self, req: Request, token: int, logprobs: TokenLogprobs | None, result: StepResult
     ) -> None:
         """req sampled `token`: append it, then finish, hand off or report the delta."""
-        self.block_manager.commit(req.block_table, req.all_token_ids, req.num_computed_tokens)
+        self._commit(req)
         req.output_token_ids.append(token)
         if logprobs is not None:
             req.logprobs.append(logprobs)

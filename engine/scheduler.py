@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_tiers.link import TierLink
 from engine.request import Request, Status
 
 
@@ -27,9 +28,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, tiers: TierLink | None = None
+    ) -> None:
+        """tiers: the KV tiers below the paged cache (None: off)."""
         self.config = config
         self.block_manager = block_manager
+        self.tiers = tiers
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -74,6 +79,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.block_table, cached = allocation
+            if self.tiers is not None:  # the prefix past the paged hits, from host or disk
+                cached = self.tiers.load_prefix(req.all_token_ids, req.block_table, cached)
             req.num_computed_tokens = cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached

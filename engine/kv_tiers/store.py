@@ -100,6 +100,10 @@ class TieredStore:
         tiers = {"host": self.host, "disk": self.disk}
         return {name: tier.stats for name, tier in tiers.items() if tier is not None}
 
+    def flush(self) -> None:
+        """Block until every block queued so far is written (or dropped by a failing tier)."""
+        self._queue.join()
+
     def close(self, timeout_s: float = 10.0) -> bool:
         """Stop taking offers and let the writer finish what is queued, for at most timeout_s;
         True if everything queued was written."""

@@ -29,8 +29,9 @@ def test_allocate_fresh_then_reuse_after_commit_and_free():
     table, cached = bm.allocate(tokens)
     assert (table, cached) == ([0, 1, 2], 0)
     assert (bm.num_used_blocks, bm.num_free_blocks, bm.usage) == (3, 5, 3 / 8)
-    bm.commit(table, tokens, num_computed_tokens=10)
-    bm.commit(table, tokens, num_computed_tokens=10)  # idempotent
+    assert bm.commit(table, tokens, num_computed_tokens=5) == [0]  # the blocks it hashed
+    assert bm.commit(table, tokens, num_computed_tokens=10) == [1]
+    assert bm.commit(table, tokens, num_computed_tokens=10) == []  # idempotent
     bm.free(table)
     assert table == [] and bm.num_cached_blocks == 2 and bm.num_free_blocks == 8
     bm.assert_idle()
