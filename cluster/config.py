@@ -137,7 +137,13 @@ class ClusterConfig:
                 raise ConfigError(engine_message(e, path)) from e
         if self.ray.gpu_memory_bytes is not None:
             for pool in POOLS:
-                pool_memory(self, pool, self.ray.gpu_memory_bytes)
+                pool_memory(
+                    self.model,
+                    self.engine_config(pool),
+                    pool,
+                    getattr(self, pool),
+                    self.ray.gpu_memory_bytes,
+                )
         if self._pool_engine_value("decode", "cuda_graph") and self.ray.gpus_per_rank == 0:
             raise ConfigError(
                 f"{self._engine_path('decode', 'cuda_graph')} needs GPUs: ray.gpus_per_rank is 0 "

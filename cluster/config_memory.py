@@ -5,15 +5,13 @@ cluster/plan/memory.py (rank_memory), the same arithmetic `epcluster plan` uses.
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cluster.config_checks import ConfigError
+from cluster.config_sections import PoolConfig
 from cluster.plan.memory import GIB, MemoryPlan, MemoryPlanError, rank_memory
 from cluster.plan.models import load_model
+from engine.config import EngineConfig
 from moe.placement import Placement
-
-if TYPE_CHECKING:
-    from cluster.config import ClusterConfig
 
 
 def checkpoint_fp8(model: str) -> bool:
@@ -26,9 +24,8 @@ def checkpoint_fp8(model: str) -> bool:
     return quantization.get("quant_method") == "fp8"
 
 
-def pool_slots(config: "ClusterConfig", pool: str) -> int | None:
+def pool_slots(pool: str, path: str | None) -> int | None:
     """The pool's physical expert slots from its placement file (None: one per expert)."""
-    path = getattr(config, pool).placement_file
     if path is None:
         return None
     data = json.loads(Path(path).read_text())
@@ -36,23 +33,26 @@ def pool_slots(config: "ClusterConfig", pool: str) -> int | None:
     return Placement.from_dict(entry).num_slots
 
 
-def pool_memory(config: "ClusterConfig", pool: str, gpu_bytes: float) -> MemoryPlan:
-    """One rank of `pool` on a GPU of gpu_bytes: weights, KV cache, activations, headroom.
-    Raises ConfigError naming the pool and the numbers when it does not fit."""
+def pool_memory(
+    model: str, engine: EngineConfig, pool: str, section: PoolConfig, gpu_bytes: float
+) -> MemoryPlan:
+    """One rank of `pool` (its config `section`, its ranks' `engine` config) on a GPU of
+    gpu_bytes: weights, KV cache, activations, headroom. Raises ConfigError naming the pool and
+    the numbers when it does not fit."""
     # NOTE: a GPU's memory is given, so the ranks run on GPUs: fp8_experts "auto" keeps FP8
-    engine = replace(config.engine_config(pool), device="cuda")
-    fp8 = engine.keep_fp8_experts and checkpoint_fp8(config.model)
-    num_ranks = getattr(config, pool).num_ranks
+    engine = replace(engine, device="cuda")
+    fp8 = engine.keep_fp8_experts and checkpoint_fp8(model)
+    num_ranks = section.num_ranks
     try:
         return rank_memory(
-            load_model(config.model),
+            load_model(model),
             gpu_bytes,
             num_ranks,
             engine.dtype,
             fp8,
             engine.kv_cache_bytes,
             engine.max_num_batched_tokens,
-            pool_slots(config, pool),
+            pool_slots(pool, section.placement_file),
         )
     except MemoryPlanError as e:
         raise ConfigError(
