@@ -75,6 +75,6 @@ def test_nodes_install_the_project_and_share_the_ray_token(launcher):
         for v in ("TORCH_VERSION", "RAY_VERSION")
     )
     assert f'pip install -q torch=={torch} "ray[default]=={ray}"' in setup
-    assert "pip install -q ~/epcluster" in setup
+    assert "pip install -q --no-build-isolation ~/epcluster" in setup
     assert "RAY_AUTH_MODE=token" in setup
     assert launcher["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
