@@ -77,6 +77,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     mlp_bias: bool = False
+    num_nextn_predict_layers: int = 0  # DeepSeek-V3's MTP layers (moe/mtp.py)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -111,6 +112,7 @@ class ModelConfig:
         need(
             self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank", "must be null or >= 1"
         )
+        need(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
         need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
         need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
         need(self.topk_method in TOPK_METHODS, "topk_method", f"must be one of {TOPK_METHODS}")

@@ -4,7 +4,9 @@ weights are dequantized on load, except the routed experts' when asked to keep t
 then the experts hold e4m3 weights and their block scales, as the checkpoint stores them.
 """
 
+import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -14,15 +16,20 @@ from safetensors import safe_open
 from kernels import hugepages
 from kernels.fp8 import BLOCK as FP8_BLOCK
 from kernels.fp8 import dequantize_block_fp8
+from kernels.linear import Linear
 from moe.config import ModelConfig
-from moe.layers import Experts
+from moe.layers import Experts, MoE
 from moe.model import DeepseekForCausalLM, ExpertSubset
+
+log = logging.getLogger(__name__)
 
 _EXPERT = re.compile(
     r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
 )
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# an MTP layer's copies of the main model's embedding and head (shared when equal)
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 class LoadError(RuntimeError):
@@ -113,11 +120,15 @@ def load_model(
     path = resolve_model_path(path)
     config = ModelConfig.from_file(path)
     reader = CheckpointReader(path)
+    if config.num_nextn_predict_layers and not _has_mtp_weights(reader, config):
+        # quantized re-uploads often drop the MTP layers but keep the config's count
+        log.warning("%s: config lists MTP layers, the checkpoint has none: loaded without", path)
+        config = dataclasses.replace(config, num_nextn_predict_layers=0)
     keep = keep_fp8_experts and experts_are_fp8(reader)
     # NOTE: dtypes are set on the meta device, so every tensor is allocated once, in its dtype.
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, experts).to(dtype)
-    for moe in model.moe_layers():
+    for moe in [*model.moe_layers(), *(m.mlp for m in model.mtp if isinstance(m.mlp, MoE))]:
         if moe.gate.e_score_correction_bias is not None:  # kept fp32, as DeepSeek does
             moe.gate.e_score_correction_bias.data = moe.gate.e_score_correction_bias.data.float()
         if keep:
@@ -143,11 +154,14 @@ def _load_weights(model: DeepseekForCausalLM, reader: CheckpointReader) -> None:
     params = dict(model.named_parameters())
     if config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
+    layers = [*model.model.layers, *model.mtp]  # by checkpoint layer index
     slots = {  # layer -> logical expert -> local slots holding it
         i: _slots_by_expert(layer.mlp.experts.expert_ids)
-        for i, layer in enumerate(model.model.layers)
+        for i, layer in enumerate(layers)
         if config.is_moe_layer(i)
     }
+    last = config.num_hidden_layers + config.num_nextn_predict_layers
+    shared: list[tuple[str, str]] = []  # (checkpoint key, MTP layer's key) of embedding / head
     inter = config.moe_intermediate_size
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -155,8 +169,15 @@ def _load_weights(model: DeepseekForCausalLM, reader: CheckpointReader) -> None:
         if key.endswith("_scale_inv") or key.endswith("rotary_emb.inv_freq"):
             continue
         layer_match = _LAYER.match(key)
+        name = key
         if layer_match and int(layer_match.group(1)) >= config.num_hidden_layers:
-            continue  # multi-token-prediction layers: not used for serving
+            index = int(layer_match.group(1))
+            if index >= last:
+                continue  # MTP layers the config does not ask for: not served
+            name = f"mtp.{index - config.num_hidden_layers}.{key[layer_match.end() :]}"
+            if name.endswith(_MTP_SHARED):
+                shared.append((key, name))
+                continue
         if m := _EXPERT.fullmatch(key):
             layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
             targets = slots.get(layer, {}).get(expert, [])
@@ -164,14 +185,14 @@ def _load_weights(model: DeepseekForCausalLM, reader: CheckpointReader) -> None:
                 unexpected.append(key)
             if not targets:
                 continue  # another rank's expert: never read
-            experts = model.model.layers[layer].mlp.experts
+            experts = layers[layer].mlp.experts
             weight, scale = reader.get_fp8(key) if experts.fp8 else (reader.get(key), None)
             for slot in targets:
                 _copy_expert(experts, slot, proj, weight, scale, inter)
                 loaded.add(f"{layer}.{slot}.{proj}")
         elif m := _FUSED.fullmatch(key):
             layer, which = int(m.group(1)), m.group(2)
-            experts = model.model.layers[layer].mlp.experts
+            experts = layers[layer].mlp.experts
             for expert, targets in slots[layer].items():
                 row, scale = _read_row(reader, key, expert, experts.fp8, inter)
                 for slot in targets:
@@ -184,15 +205,15 @@ def _load_weights(model: DeepseekForCausalLM, reader: CheckpointReader) -> None:
                     if scale is not None:
                         name = "w13_scale_inv" if which == "gate_up_proj" else "w2_scale_inv"
                         getattr(experts, name)[slot].copy_(scale)
-        elif key in params:
+        elif name in params:
             tensor = reader.get(key)
-            if tensor.shape != params[key].shape:
+            if tensor.shape != params[name].shape:
                 raise LoadError(
                     f"{key}: checkpoint shape {tuple(tensor.shape)} != model "
-                    f"{tuple(params[key].shape)}"
+                    f"{tuple(params[name].shape)}"
                 )
-            params[key].data.copy_(tensor)
-            loaded.add(key)
+            params[name].data.copy_(tensor)
+            loaded.add(name)
         else:
             unexpected.append(key)
     if unexpected:
@@ -206,6 +227,39 @@ def _load_weights(model: DeepseekForCausalLM, reader: CheckpointReader) -> None:
                         missing.append(f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight")
     if missing:
         raise LoadError(f"checkpoint lacks tensors the model needs: {missing[:8]}")
+    for key, name in shared:
+        _load_mtp_shared(model, reader, key, name)
+
+
+def _has_mtp_weights(reader: CheckpointReader, config: ModelConfig) -> bool:
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    return any(k.startswith(prefix) for k in reader.keys())
+
+
+def _load_mtp_shared(
+    model: DeepseekForCausalLM, reader: CheckpointReader, key: str, name: str
+) -> None:
+    """An MTP layer's copy of the embedding or head (name: mtp.{k}.embed_tokens.weight or
+    mtp.{k}.shared_head.head.weight): shared with the main model's when equal (DeepSeek's
+    checkpoints), else held as the layer's own."""
+    layer = model.mtp[int(name.split(".")[1])]
+    embed = name.endswith("embed_tokens.weight")
+    main = model.model.embed_tokens.weight if embed else model.lm_head.weight
+    tensor = reader.get(key)
+    if tensor.shape != main.shape:
+        raise LoadError(
+            f"{key}: shape {tuple(tensor.shape)} != the main model's {tuple(main.shape)}"
+        )
+    tensor = tensor.to(device=main.device, dtype=main.dtype)
+    if torch.equal(tensor, main):
+        return
+    log.info("%s differs from the main model's: the MTP layer keeps its own", key)
+    if embed:
+        layer.embed_tokens = torch.nn.Embedding(*tensor.shape, _weight=tensor)
+    else:
+        head = Linear(tensor.shape[1], tensor.shape[0], bias=False, device="meta")
+        head.weight = torch.nn.Parameter(tensor, requires_grad=False)
+        layer.shared_head.head = head
 
 
 def _slots_by_expert(expert_ids: list[int]) -> dict[int, list[int]]:

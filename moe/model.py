@@ -25,6 +25,7 @@ from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
 from moe.dispatch import AllToAllDispatcher, CommStats
 from moe.layers import MLP, MoE
+from moe.mtp import eh_input, make_mtp_layer
 from moe.norm import RMSNorm
 from moe.overlap import Stages, run_to_end
 from moe.placement import Placement
@@ -101,6 +102,11 @@ class DeepseekForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekModel(config, experts)
+        # DeepSeek-V3's multi-token-prediction layers (moe/mtp.py), none without them
+        n = config.num_hidden_layers
+        self.mtp = nn.ModuleList(
+            make_mtp_layer(config, n + k, experts) for k in range(config.num_nextn_predict_layers)
+        )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -119,7 +125,7 @@ class DeepseekForCausalLM(nn.Module):
         projections, and on the CPU kernels the panel copies of the weights every decode step
         multiplies by: made here, not on the first request, ~0.15 s for `small`)."""
         step_weights = [self.lm_head.weight]
-        for layer in self.model.layers:
+        for layer in [*self.model.layers, *self.mtp]:
             attn = layer.self_attn
             attn.absorb_weights()
             attn.fuse()
@@ -242,3 +248,39 @@ class DeepseekForCausalLM(nn.Module):
         positions = torch.arange(length, device=input_ids.device).repeat(batch)
         hidden = self.forward_tokens(input_ids.reshape(-1), positions, [length] * batch)
         return self.compute_logits(hidden).view(batch, length, -1)
+
+    def mtp_hidden(
+        self,
+        hidden: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int] | None = None,
+        kv: PagedKV | None = None,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """MTP layer `depth` (moe/mtp.py): hidden [T, D] (the main model's last layer, or depth
+        - 1's output, before any final norm), next_token_ids [T] (token i + 1 of each row),
+        positions [T] (of the rows of hidden) -> its block's output [T, D], before
+        shared_head.norm. seq_lens / kv as in `stages` (its cache layer: num_hidden_layers +
+        depth)."""
+        layer = self.mtp[depth]
+        x = eh_input(layer, self.model.embed_tokens, hidden, next_token_ids)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)
+        return run_to_end(layer.stages(x, cos, sin, seq_lens, kv))
+
+    def mtp_logits(
+        self,
+        hidden: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int] | None = None,
+        kv: PagedKV | None = None,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """`mtp_hidden` through shared_head: -> logits [T, V] fp32 for the token after next."""
+        layer = self.mtp[depth]
+        x = layer.shared_head.norm(
+            self.mtp_hidden(hidden, next_token_ids, positions, seq_lens, kv, depth)
+        )
+        head = layer.shared_head.head
+        return (head if head is not None else self.lm_head)(x).float()
