@@ -81,8 +81,7 @@ def test_mtp_logits_equal_reference(tmp_path: Path, differ: bool) -> None:
     with torch.no_grad():
         # the main model's last layer before its final norm (HF hidden_states[-1] is normed)
         hf = main(ids[None], output_hidden_states=True)
-        pre = hf.hidden_states[LAYERS - 1]
-        pre = donor_free_last_layer(main, pre)
+        pre = last_layer_pre_norm(main, hf.hidden_states[LAYERS - 1])
         ours = model.forward_tokens(ids, torch.arange(12), [12])
         want = reference(main, donor, tensors, pre[0, :11], ids[1:])
         got = model.mtp_logits(pre[0, :11], ids[1:], positions, [11])
@@ -92,7 +91,7 @@ def test_mtp_logits_equal_reference(tmp_path: Path, differ: bool) -> None:
     assert not torch.allclose(got, model.compute_logits(ours)[:11], atol=1e-2)
 
 
-def donor_free_last_layer(main, before_last: torch.Tensor) -> torch.Tensor:
+def last_layer_pre_norm(main, before_last: torch.Tensor) -> torch.Tensor:
     """The main model's last layer applied to hidden_states[LAYERS - 1]: the pre-norm output."""
     t = before_last.shape[1]
     positions = torch.arange(t)[None]
