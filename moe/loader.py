@@ -16,10 +16,10 @@ from safetensors import safe_open
 from kernels import hugepages
 from kernels.fp8 import BLOCK as FP8_BLOCK
 from kernels.fp8 import dequantize_block_fp8
-from kernels.linear import Linear
 from moe.config import ModelConfig
 from moe.layers import Experts, MoE
 from moe.model import DeepseekForCausalLM, ExpertSubset
+from moe.mtp import has_mtp_weights, share_or_keep
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def load_model(
     path = resolve_model_path(path)
     config = ModelConfig.from_file(path)
     reader = CheckpointReader(path)
-    if config.num_nextn_predict_layers and not _has_mtp_weights(reader, config):
+    if config.num_nextn_predict_layers and not has_mtp_weights(reader.keys(), config):
         # quantized re-uploads often drop the MTP layers but keep the config's count
         log.warning("%s: config lists MTP layers, the checkpoint has none: loaded without", path)
         config = dataclasses.replace(config, num_nextn_predict_layers=0)
@@ -227,39 +227,11 @@ def _load_weights(model: DeepseekForCausalLM, reader: CheckpointReader) -> None:
                         missing.append(f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight")
     if missing:
         raise LoadError(f"checkpoint lacks tensors the model needs: {missing[:8]}")
-    for key, name in shared:
-        _load_mtp_shared(model, reader, key, name)
-
-
-def _has_mtp_weights(reader: CheckpointReader, config: ModelConfig) -> bool:
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    return any(k.startswith(prefix) for k in reader.keys())
-
-
-def _load_mtp_shared(
-    model: DeepseekForCausalLM, reader: CheckpointReader, key: str, name: str
-) -> None:
-    """An MTP layer's copy of the embedding or head (name: mtp.{k}.embed_tokens.weight or
-    mtp.{k}.shared_head.head.weight): shared with the main model's when equal (DeepSeek's
-    checkpoints), else held as the layer's own."""
-    layer = model.mtp[int(name.split(".")[1])]
-    embed = name.endswith("embed_tokens.weight")
-    main = model.model.embed_tokens.weight if embed else model.lm_head.weight
-    tensor = reader.get(key)
-    if tensor.shape != main.shape:
-        raise LoadError(
-            f"{key}: shape {tuple(tensor.shape)} != the main model's {tuple(main.shape)}"
-        )
-    tensor = tensor.to(device=main.device, dtype=main.dtype)
-    if torch.equal(tensor, main):
-        return
-    log.info("%s differs from the main model's: the MTP layer keeps its own", key)
-    if embed:
-        layer.embed_tokens = torch.nn.Embedding(*tensor.shape, _weight=tensor)
-    else:
-        head = Linear(tensor.shape[1], tensor.shape[0], bias=False, device="meta")
-        head.weight = torch.nn.Parameter(tensor, requires_grad=False)
-        layer.shared_head.head = head
+    for key, name in shared:  # after the main model's embedding and head
+        try:
+            share_or_keep(model, name, reader.get(key))
+        except ValueError as e:
+            raise LoadError(f"{key}: {e}") from e
 
 
 def _slots_by_expert(expert_ids: list[int]) -> dict[int, list[int]]:

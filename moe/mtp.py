@@ -14,6 +14,7 @@ num_hidden_layers + k of PagedKV.kv_caches (MLAttention indexes the caches by it
 engine that drafts allocates num_hidden_layers + num_nextn_predict_layers cache layers.
 """
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -22,6 +23,8 @@ from torch import nn
 from kernels.linear import Linear
 from moe.config import ModelConfig
 from moe.norm import RMSNorm
+
+log = logging.getLogger(__name__)
 
 
 class SharedHead(nn.Module):
@@ -64,3 +67,30 @@ def eh_input(
     own = layer.embed_tokens
     e = layer.enorm((own if own is not None else embed)(next_ids))
     return layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], dim=-1))
+
+
+def has_mtp_weights(keys: list[str], config: ModelConfig) -> bool:
+    """Whether a checkpoint's tensor names include its first MTP layer."""
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    return any(k.startswith(prefix) for k in keys)
+
+
+def share_or_keep(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """An MTP layer's copy of the embedding or head (name: mtp.{k}.embed_tokens.weight or
+    mtp.{k}.shared_head.head.weight): shared with the main model's when equal (DeepSeek's
+    checkpoints store equal copies), else held as the layer's own. ValueError on a wrong shape."""
+    layer = model.mtp[int(name.split(".")[1])]
+    embed = name.endswith("embed_tokens.weight")
+    main = model.model.embed_tokens.weight if embed else model.lm_head.weight
+    if tensor.shape != main.shape:
+        raise ValueError(f"shape {tuple(tensor.shape)} != the main model's {tuple(main.shape)}")
+    tensor = tensor.to(device=main.device, dtype=main.dtype)
+    if torch.equal(tensor, main):
+        return
+    log.info("%s differs from the main model's: the MTP layer keeps its own", name)
+    if embed:
+        layer.embed_tokens = nn.Embedding(*tensor.shape, _weight=tensor)
+    else:
+        head = Linear(tensor.shape[1], tensor.shape[0], bias=False, device="meta")
+        head.weight = nn.Parameter(tensor, requires_grad=False)
+        layer.shared_head.head = head
