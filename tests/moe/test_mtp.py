@@ -112,3 +112,31 @@ def test_mtp_weights_ignored_when_config_says_zero(tmp_path: Path) -> None:
     assert len(model.mtp) == 0
     ids = torch.arange(10)[None]
     torch.testing.assert_close(model(ids), main(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_paged_kv_uses_its_own_cache_layer(tmp_path: Path) -> None:
+    """With a PagedKV the MTP block writes and reads cache layer num_hidden_layers: a prefill of
+    10 rows then a decode row give the no-cache call's logits, and the main layers' caches stay
+    untouched."""
+    from moe.attention import PagedKV
+
+    build(tmp_path)
+    model = load_model(tmp_path)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(11, model.config.hidden_size, generator=g)
+    next_ids = torch.randint(0, model.config.vocab_size, (11,), generator=g)
+    positions = torch.arange(11)
+    with torch.no_grad():
+        want = model.mtp_logits(hidden, next_ids, positions, [11])
+        block = 4
+        caches = [torch.zeros(4, block, model.config.kv_cache_width) for _ in range(LAYERS + 1)]
+        table = torch.tensor([[2, 0, 3, 1]])  # blocks out of order: the table is followed
+        slots = table[0, positions // block] * block + positions % block
+
+        def step(lo: int, hi: int) -> torch.Tensor:
+            kv = PagedKV(caches, slots[lo:hi], table, [hi - lo], [hi])
+            return model.mtp_logits(hidden[lo:hi], next_ids[lo:hi], positions[lo:hi], kv=kv)
+
+        first, last = step(0, 10), step(10, 11)
+    torch.testing.assert_close(torch.cat([first, last]), want, atol=1e-5, rtol=1e-5)
+    assert all(not c.any() for c in caches[:LAYERS]) and caches[LAYERS].any()
