@@ -25,7 +25,7 @@ from moe.attention import MLAttention, PagedKV
 from moe.config import ModelConfig
 from moe.dispatch import AllToAllDispatcher, CommStats
 from moe.layers import MLP, MoE
-from moe.mtp import eh_input, make_mtp_layer
+from moe.mtp import eh_input, make_mtp_layer, mtp_experts
 from moe.norm import RMSNorm
 from moe.overlap import Stages, run_to_end
 from moe.placement import Placement
@@ -105,7 +105,8 @@ class DeepseekForCausalLM(nn.Module):
         # DeepSeek-V3's multi-token-prediction layers (moe/mtp.py), none without them
         n = config.num_hidden_layers
         self.mtp = nn.ModuleList(
-            make_mtp_layer(config, n + k, experts) for k in range(config.num_nextn_predict_layers)
+            make_mtp_layer(config, DecoderLayer(config, n + k, mtp_experts(n + k, experts)))
+            for k in range(config.num_nextn_predict_layers)
         )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq, self.rope_scaling = rope_inv_freq(config)

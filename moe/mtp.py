@@ -44,12 +44,10 @@ def mtp_experts(layer: int, experts: object) -> object:
     return experts
 
 
-def make_mtp_layer(config: ModelConfig, layer: int, experts: object) -> nn.Module:
-    """An MTP layer: a DecoderLayer (its block, HF names) plus enorm, hnorm, eh_proj and
-    shared_head, and optional own copies of the embedding (embed_tokens) and the head."""
-    from moe.model import DecoderLayer  # moe.model builds these: imported late, no cycle
-
-    block = DecoderLayer(config, layer, mtp_experts(layer, experts))  # type: ignore[arg-type]
+def make_mtp_layer(config: ModelConfig, block: nn.Module) -> nn.Module:
+    """An MTP layer: `block`, a DecoderLayer built for its index with `mtp_experts` (its
+    attention and feed-forward, HF names), plus enorm, hnorm, eh_proj and shared_head, and an
+    optional own copy of the embedding (embed_tokens) and the head."""
     size = config.hidden_size
     block.enorm = RMSNorm(size, config.rms_norm_eps)
     block.hnorm = RMSNorm(size, config.rms_norm_eps)
