@@ -4,6 +4,7 @@ a rank's stop writes what the tiers still had queued."""
 
 import asyncio
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,12 +12,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config import KVTiersConfig
 from engine.kv_tiers.disk import DiskTier
+from engine.kv_tiers.stats import TierStats
 from engine.messages import GenerateRequest
 from engine.metrics.rank import RankCollector, RankStats
 from engine.metrics.tiers import tier_series
 from engine.rank import RankConfig
 from engine.rendezvous import Rendezvous
 from prefill_workers import PrefillWorker
+from tests.prometheus import binary, promtool
 
 BS = 4
 BLOCK_BYTES = 3 * BS * 40 * 4  # tiny-random: 3 layers x BS x C 40 x float32
@@ -42,6 +45,20 @@ def test_tier_counters_start_at_zero_with_the_tiers_off():
         assert sample(families, "epcluster_kv_tier_hits_total", tier) == 0.0
         assert sample(families, "epcluster_kv_tier_written_bytes_total", tier) == 0.0
     assert tier_series({}) == {}
+
+
+@pytest.mark.skipif(binary("promtool") is None, reason="promtool missing: run `make prometheus`")
+def test_promtool_checks_a_scrape_with_the_tiers_on():
+    stats = {"host": TierStats(hits=3, bytes_read=30), "disk": TierStats(), "dropped_writes": 2}
+    registry = CollectorRegistry()
+    registry.register(RankCollector(RankStats(), lambda: tier_series(stats), "m", "prefill", 0))
+    text = generate_latest(registry).decode()
+    assert (
+        'epcluster_kv_tier_hits_total{model_name="m",pool="prefill",rank="0",tier="host"} 3.0'
+        in text
+    )
+    result = promtool("check", "metrics", stdin=text)
+    assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
 def test_tier_series_count_what_the_engine_moved():
