@@ -3,6 +3,7 @@ equal to what the engine provably moved (blocks written, read back, bytes) once 
 a rank's stop writes what the tiers still had queued."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -81,9 +82,17 @@ def test_tier_series_count_what_the_engine_moved():
     assert sample(families, "epcluster_kv_tier_written_bytes_total", "disk") == 0.0  # no disk
 
 
-def test_a_rank_stop_writes_the_queued_blocks(tmp_path):
+def test_a_rank_stop_writes_the_queued_blocks(tmp_path, monkeypatch):
     """The prefill rank's stop closes the store: every offered block is on disk after it, as
-    a restarted rank's scan finds."""
+    a restarted rank's scan finds, though the disk is slow (a write takes 50 ms: the queue
+    still holds blocks when the prefill returns)."""
+    put = DiskTier.put
+
+    def slow_put(self: DiskTier, key: object, kv: torch.Tensor) -> None:
+        time.sleep(0.05)
+        put(self, key, kv)
+
+    monkeypatch.setattr(DiskTier, "put", slow_put)
     tiers = KVTiersConfig(disk_path=str(tmp_path), disk_bytes=10**8)
     config = EngineConfig(model="tiny-random", block_size=BS, kv_tiers=tiers)
     prompt = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -99,5 +108,6 @@ def test_a_rank_stop_writes_the_queued_blocks(tmp_path):
             rank.stop()
 
     offered = asyncio.run(main())
+    monkeypatch.setattr(DiskTier, "put", put)
     assert offered == 40 // BS  # the prompt's full blocks
     assert DiskTier(str(tmp_path), 10**8).stats.blocks == offered
