@@ -29,6 +29,7 @@ import yaml
 
 from cluster.config_checks import (
     ConfigError,
+    build_nested,
     build_section,
     check_types,
     describe,
@@ -252,16 +253,22 @@ class ClusterConfig:
         for name, (section_cls, checks) in SECTIONS.items():
             if name in data:
                 exclude: tuple[str, ...] = ()
-                if section_cls is EngineConfig and isinstance(data[name], dict):
-                    _refuse_set_by_cluster(data[name], "engine.")
+                section = data[name]
+                if section_cls is EngineConfig and isinstance(section, dict):
+                    _refuse_set_by_cluster(section, "engine.")
                     exclude = tuple(SET_BY_CLUSTER)
-                built[name] = build_section(section_cls, data[name], name, checks, exclude)
+                    section = build_nested(EngineConfig, section, name)
+                built[name] = build_section(section_cls, section, name, checks, exclude)
         for name in POOLS:
             if name in data:
                 if not isinstance(data[name], dict):
                     got = data[name]
                     raise ConfigError(f"{name} must be a mapping of pool fields, got {got!r}")
-                built[name] = build_section(PoolConfig, data[name], name, POOL_CHECKS)
+                pool = data[name]
+                if isinstance(pool.get("engine"), dict):  # kv_tiers: {...} -> KVTiersConfig
+                    engine = build_nested(EngineConfig, pool["engine"], f"{name}.engine")
+                    pool = {**pool, "engine": engine}
+                built[name] = build_section(PoolConfig, pool, name, POOL_CHECKS)
         return cls(**built)
 
     @classmethod

@@ -109,6 +109,25 @@ def build_section(
         raise ConfigError(f"{path}: {e}") from e
 
 
+def build_nested(cls: type, raw: dict[str, Any], path: str) -> dict[str, Any]:
+    """raw with each mapping given for a dataclass-typed field of `cls` (EngineConfig.kv_tiers:
+    KVTiersConfig | None) built into that dataclass, checked and named `path.field.sub`."""
+    hints, out = typing.get_type_hints(cls), dict(raw)
+    for name, value in raw.items():
+        if not isinstance(value, dict) or name not in hints:
+            continue
+        nested = [h for h in _members(hints[name]) if dataclasses.is_dataclass(h)]
+        if len(nested) == 1:
+            out[name] = build_section(nested[0], value, f"{path}.{name}", [])
+    return out
+
+
+def _members(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
 def engine_message(e: EngineConfigError, prefix: str) -> str:
     return f"{prefix}{e.field} {e.why} (got {e.value!r})"
 

@@ -25,6 +25,7 @@ from engine.loop import EngineLoop
 from engine.messages import RankStatus, StepResult
 from engine.metrics.rank import RankCollector
 from engine.metrics.server import MetricsServer, serve_metrics
+from engine.metrics.tiers import tier_series
 from engine.rendezvous import Rendezvous, interface_of, rendezvous_store
 from moe.placement import Placement
 
@@ -143,9 +144,13 @@ class Rank(abc.ABC):
         if close is not None:
             threading.Thread(target=_close_quietly, args=(close,), daemon=True).start()
 
-    def stop(self) -> None:
+    def stop(self, tiers_timeout_s: float = 10.0) -> None:
+        """An orderly stop: the engine thread ends, then the KV tiers write what is queued (at
+        most tiers_timeout_s) so a restart finds those blocks on disk."""
         if self.loop is not None:
             self.loop.stop()
+        if self.engine is not None:
+            self.engine.close(tiers_timeout_s)
         if self.metrics is not None:
             self.metrics.close()
 
@@ -180,6 +185,7 @@ class Rank(abc.ABC):
             ("epcluster_engine_stalled_seconds", ()): loop.stalled_s() if loop else 0.0,
             ("epcluster_kernels_info", (e.runner.kernels,)): 1.0,
             **self._balance_gauges(),
+            **tier_series(e.kv_tier_stats()),
         }
 
     def _balance_gauges(self) -> dict[tuple[str, tuple[str, ...]], float]:

@@ -197,6 +197,54 @@ def pools() -> dict:
                 ],
             ),
             panel(
+                "KV tiers: hits",
+                "short",
+                "Blocks per second read back from the host and disk tiers below the paged "
+                "cache, and each tier's hit ratio (hits over hits and misses).",
+                [
+                    q(
+                        f"sum by (pool, tier) (rate(epcluster_kv_tier_hits_total{K}[{RI}]))",
+                        "{{pool}} {{tier}} hits/s",
+                    ),
+                    q(
+                        f"sum by (pool, tier) (rate(epcluster_kv_tier_hits_total{K}[{RI}])) / "
+                        "(sum by (pool, tier) (rate(epcluster_kv_tier_hits_total"
+                        f"{K}[{RI}])) + sum by (pool, tier) (rate("
+                        f"epcluster_kv_tier_misses_total{K}[{RI}])) > 0)",
+                        "{{pool}} {{tier}} hit ratio",
+                    ),
+                ],
+            ),
+            panel(
+                "KV tiers: bytes and read time",
+                "Bps",
+                "Bytes per second written to and read from each tier, per pool.",
+                [
+                    q(
+                        "sum by (pool, tier) (rate(epcluster_kv_tier_written_bytes_total"
+                        f"{K}[{RI}]))",
+                        "{{pool}} {{tier}} written",
+                    ),
+                    q(
+                        f"sum by (pool, tier) (rate(epcluster_kv_tier_read_bytes_total{K}[{RI}]))",
+                        "{{pool}} {{tier}} read",
+                    ),
+                ],
+            ),
+            panel(
+                "KV tiers: mean read time",
+                "s",
+                "Mean time to read one block back from a tier.",
+                [
+                    q(
+                        "sum by (pool, tier) (rate(epcluster_kv_tier_read_seconds_total"
+                        f"{K}[{RI}])) / (sum by (pool, tier) (rate("
+                        f"epcluster_kv_tier_reads_total{K}[{RI}])) > 0)",
+                        "{{pool}} {{tier}}",
+                    )
+                ],
+            ),
+            panel(
                 "Re-forms",
                 "short",
                 "Pool re-forms after a rank failure (increase).",

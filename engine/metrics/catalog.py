@@ -26,6 +26,7 @@ from engine.metrics.spec import (  # noqa: F401  (the catalog's names, used by i
     TTFT_BUCKETS,
     Spec,
 )
+from engine.metrics.tiers import TIER_SPECS, TIERS
 
 _ROUTER_AND_ENGINE: tuple[Spec, ...] = (
     # ---- the router: requests as users see them ----
@@ -253,7 +254,7 @@ _ROUTER_AND_ENGINE: tuple[Spec, ...] = (
         ("kernels",),
     ),
 )
-SPECS: tuple[Spec, ...] = _ROUTER_AND_ENGINE + EP_SPECS
+SPECS: tuple[Spec, ...] = _ROUTER_AND_ENGINE + EP_SPECS + TIER_SPECS
 
 # Enumerable labels, pre-created at 0 so that alerts never see a missing series; by label name,
 # with per-metric overrides where a name means something else.
@@ -268,6 +269,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "stage": ("send", "receive", "import"),
     "outcome": ("granted", "rejected", "expired", "released", "started"),
     "stat": ("mean", "worst"),
+    "tier": TIERS,
 }
 _OVERRIDES: dict[tuple[str, str], tuple[str, ...]] = {
     ("epcluster_admission_rejections_total", "reason"): ("requests", "tokens", "draining"),

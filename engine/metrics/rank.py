@@ -92,8 +92,9 @@ Gauges = Callable[[], dict[tuple[str, tuple[str, ...]], float]]
 
 class RankCollector(Collector):
     """The rank's series: the counters and histograms of a RankStats, and the gauges `gauges()`
-    reads from the engine's live state at scrape time. Every series gets model_name, pool and
-    rank."""
+    reads from the engine's live state at scrape time (with the counters counted outside the
+    RankStats: a value there for a counter's child replaces the RankStats' one). Every series
+    gets model_name, pool and rank."""
 
     def __init__(self, stats: RankStats, gauges: Gauges, model: str, pool: str, rank: int):
         self.stats, self.gauges = stats, gauges
@@ -109,7 +110,9 @@ class RankCollector(Collector):
             name = spec.name.removesuffix("_total")
             if spec.kind == "counter":
                 family = CounterMetricFamily(name, spec.help, labels=labels)
-                for (n, values), value in counters.items():
+                # NOTE: a counter another part counts (the KV tiers) comes live, over its 0
+                live = {k: v for k, v in gauges.items() if k[0] == spec.name}
+                for (n, values), value in {**counters, **live}.items():
                     if n == spec.name:
                         family.add_metric(const_values + list(values), value)
             elif spec.kind == "histogram":
