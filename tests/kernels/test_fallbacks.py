@@ -93,7 +93,8 @@ def test_a_cpu_without_a_compiler_warns_and_reports_the_references(monkeypatch, 
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     assert build.cpu_kernels.__wrapped__() is None
-    (message,) = warnings(caplog)
+    # (no prebuilt module here either: kernels/cpu/build.py first warns that it builds them)
+    (message,) = [m for m in warnings(caplog) if "reference paths" in m]
     assert "did not build" in message and "c++: command not found" in message
     assert "take torch's reference paths" in message
 
