@@ -89,13 +89,15 @@ def test_poison_bodies_are_4xx_naming_the_field(server, path, body, param):
     assert 400 <= code < 500, reply
     assert reply["error"]["param"] == param, reply
     assert len(reply["error"]["message"]) < 400  # never the value echoed whole
-    # still serving, and the same field at a sane value is fine
-    code, reply = post(server, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}))
-    assert code == 200 and reply["usage"]["completion_tokens"] == 2
+    # still serving, and the same field at a sane value is fine (ignore_eos: a sampled EOS would
+    # end it after one token)
+    sane = {"prompt": "x", "max_tokens": 2, "ignore_eos": True}
+    code, reply = post(server, "/v1/completions", json.dumps(sane).encode())
+    assert code == 200 and reply["usage"]["completion_tokens"] == 2, reply
 
 
 def test_bounds_at_the_edge_are_accepted(server):
-    body = {"prompt": "x", "max_tokens": 2, "top_k": 2**31 - 1, "seed": 2**63 - 1}
+    body = {"prompt": "x", "max_tokens": 2, "top_k": 2**31 - 1, "seed": 2**63 - 1, "ignore_eos": True}
     code, reply = post(server, "/v1/completions", json.dumps(body).encode())
     assert code == 200 and reply["usage"]["completion_tokens"] == 2, reply
     code, reply = post(server, "/v1/completions", json.dumps({**body, "top_k": 2**31}).encode())
