@@ -133,6 +133,15 @@ class BlockManager:
         block_table.extend(self._take_fresh() for _ in range(num_new))
         return True
 
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Free the blocks of block_table past those that hold num_tokens tokens (a verify's
+        rejected drafts), in place."""
+        keep = self._num_blocks_for(num_tokens)
+        if keep < len(block_table):
+            tail = block_table[keep:]
+            del block_table[keep:]
+            self.free(tail)
+
     def _take_fresh(self) -> int:
         if self.free_ids:
             block_id = self.free_ids.popleft()

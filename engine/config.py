@@ -18,6 +18,22 @@ class KVTiersConfig:
     disk_bytes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py, docs/mtp.md): the checkpoint's MTP layer
+    drafts num_draft_tokens tokens a step, the main model verifies them in one step."""
+
+    method: str = "mtp"
+    num_draft_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method != "mtp":
+            raise EngineConfigError("speculative", "method must be mtp", self.method)
+        k = self.num_draft_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 3:
+            raise EngineConfigError("speculative", "num_draft_tokens must be 1, 2 or 3", k)
+
+
 class EngineConfigError(ValueError):
     """A bad engine option; `field` names it, so a config that holds an EngineConfig (the
     cluster's) can name it by its own path."""
@@ -61,6 +77,8 @@ class EngineConfig:
     eplb_layers_per_round: int = 1  # layers moved and switched per round (0: all at once)
     eplb_decay: float = 0.5  # the share of the old load window kept at each rebalance
     kv_tiers: KVTiersConfig | None = None  # None: no tiers below the paged cache
+    # None: off; with a checkpoint without MTP layers the engine turns it off (one warning)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -96,6 +114,11 @@ class EngineConfig:
         )
         need(self.cuda_graph_max_batch >= 1, "cuda_graph_max_batch", "must be >= 1")
         self._check_kv_tiers(need)
+        need(
+            self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
+            "speculative",
+            "must be a SpeculativeConfig or None",
+        )
 
     def _check_kv_tiers(self, need: Callable[[bool, str, str], None]) -> None:
         t = self.kv_tiers
@@ -110,6 +133,11 @@ class EngineConfig:
         )
         need(t.host_bytes > 0 or t.disk_bytes > 0, "kv_tiers", "needs a host or a disk budget")
         need(self.enable_prefix_caching, "kv_tiers", "needs enable_prefix_caching")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per step (0: speculation off)."""
+        return 0 if self.speculative is None else self.speculative.num_draft_tokens
 
     @property
     def torch_dtype(self) -> torch.dtype:

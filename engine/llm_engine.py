@@ -62,13 +62,20 @@ class LLMEngine(EngineReports):
         placement / moves_group: the pool's placement and the group that moves expert weights
         (live load balancing)."""
         path = resolve_model_path(config.model)
-        self.config = config
         self.ep_group, self.ep_size = ep_group, ep_size
         self.pool_has_unfinished = False  # from the last agreement: any rank with requests
         self.last_step_tokens = 0  # tokens the last step ran (the pool's largest batch, in EP)
         self.model = model or load_model(
             path, config.torch_dtype, config.device, keep_fp8_experts=config.keep_fp8_experts
         )
+        if config.speculative is not None and len(self.model.mtp) == 0:
+            log.warning(
+                "speculative: %s has no MTP layer (num_nextn_predict_layers 0): decoding "
+                "without speculation",
+                config.model,
+            )
+            config = dataclasses.replace(config, speculative=None)
+        self.config = config
         mc = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(
             path, mc.vocab_size, mc.eos_token_id, mc.bos_token_id
@@ -79,7 +86,7 @@ class LLMEngine(EngineReports):
         )
         self.max_model_len = self._max_model_len()
         self.tiers = self._tiers()
-        self.scheduler = Scheduler(config, self.block_manager, self.tiers)
+        self.scheduler = Scheduler(config, self.block_manager, self.tiers, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.stats = RankStats()  # the rank's metrics, counted on this thread
         self.comm = self.model.share_comm_stats()
@@ -100,6 +107,11 @@ class LLMEngine(EngineReports):
         self._arrivals = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode), lifetime
         self.num_failed = 0  # requests failed alone (their rows raised), lifetime
+        # speculative decoding, lifetime: verifies (a request's step with drafts), the drafts
+        # they checked, and of them the accepted
+        self.num_spec_verifies = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # The requests of the step being run (empty between steps): if the step raises and the
         # engine stops, these are the suspects (RankStopped.suspects).
         self._stepping: list[Request] = []
@@ -322,28 +334,50 @@ class LLMEngine(EngineReports):
             if failed is not None:
                 result.outputs.append(self._fail(req, *failed))
                 continue
-            req.num_computed_tokens += n
+            drafts = max(0, req.num_computed_tokens + n - req.num_tokens)
             self.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
+            if req.num_computed_tokens + n < req.num_tokens:
+                req.num_computed_tokens += n
                 self._commit(req)
                 continue  # a prompt chunk: nothing sampled yet
-            token, logprobs = sampled.token_ids[j], sampled.logprobs[j]
+            tokens, logprobs = sampled.token_ids[j], sampled.logprobs[j]
             j += 1
+            if drafts:
+                self.num_spec_verifies += 1
+                self.num_draft_tokens += drafts
+                self.num_accepted_tokens += len(tokens) - 1
             try:
-                self._advance(req, token, logprobs, result)
+                self._advance(req, n - drafts, tokens, logprobs, result)
             except Exception as e:  # this request's text or KV export: it alone fails
                 result.outputs.append(self._fail(req, "postprocessing", e))
         return result
 
     def _advance(
-        self, req: Request, token: int, logprobs: TokenLogprobs | None, result: StepResult
+        self,
+        req: Request,
+        num_known: int,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+        result: StepResult,
     ) -> None:
-        """req sampled `token`: append it, then finish, hand off or report the delta."""
+        """req computed num_known of its known tokens and sampled `tokens` (with speculation the
+        accepted drafts and the bonus): append them up to a finish, keep the KV of the rows whose
+        tokens stay (a verify's rejected drafts' blocks go back), then finish, hand off or
+        report the delta."""
+        reason, kept = None, 0
+        for token, lp in zip(tokens, logprobs, strict=True):
+            kept += 1
+            req.output_token_ids.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            reason = self._finish_reason(req)
+            if reason is not None:  # never a token past a stop or the limit
+                break
+        # the rows before each kept token: the known ones, then the accepted drafts
+        req.num_computed_tokens += num_known + kept - 1
+        if reason is None:
+            self.block_manager.truncate(req.block_table, req.num_tokens)
         self._commit(req)
-        req.output_token_ids.append(token)
-        if logprobs is not None:
-            req.logprobs.append(logprobs)
-        reason = self._finish_reason(req)
         if reason is None and req.prefill_only:  # hand off to a decode rank
             result.prefilled.append(self._export(req))
             return

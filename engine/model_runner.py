@@ -20,6 +20,7 @@ from engine.messages import TokenLogprobs
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
 from engine.sampling_params import SamplingParams
+from engine.speculative import MtpDrafter, MtpRows, num_accepted
 from kernels.backend import serving_kernels
 from kernels.cpu.build import cpu_kernels
 from kernels.mla_attention import cache_slot
@@ -36,11 +37,12 @@ class _PrepareFailed(Exception):
 
 @dataclass(slots=True)
 class RunOutput:
-    """What one step sampled: a token (and its logprobs) per request whose prompt is complete,
-    in batch order, and the requests whose rows failed (left out of token_ids)."""
+    """What one step sampled: per request whose prompt is complete, in batch order, its new
+    tokens (one; with speculation the accepted drafts and the bonus token) and their logprobs,
+    and the requests whose rows failed (left out of token_ids)."""
 
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
     # request id -> (the stage that raised: "preparing" | "sampling", the exception)
     failed: dict[str, tuple[str, BaseException]] = field(default_factory=dict)
 
@@ -56,8 +58,10 @@ class ModelRunner:
         # which kernels serve (GetModelInfo, the ranks' metrics); a fallback warns once, now
         self.kernels = serving_kernels(config.device, config.torch_dtype)
         c = model.config
+        # speculation: one more cache layer, the MTP layer's (index num_hidden_layers)
+        num_layers = c.num_hidden_layers + (1 if config.speculative is not None else 0)
         itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
-        bytes_per_block = c.num_hidden_layers * config.block_size * c.kv_cache_width * itemsize
+        bytes_per_block = num_layers * config.block_size * c.kv_cache_width * itemsize
         self.num_blocks = config.kv_cache_bytes // bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(
@@ -78,8 +82,11 @@ class ModelRunner:
                 dtype=config.torch_dtype,
                 device=config.device,
             )
-            for _ in range(c.num_hidden_layers)
+            for _ in range(num_layers)
         ]  # L x [NB, BS, C]
+        self.drafter: MtpDrafter | None = None
+        if config.speculative is not None:
+            self.drafter = MtpDrafter(model, self.kv_caches, config.block_size)
 
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Run decode steps through DecodeGraphs (engine/decode_graphs.py): one more cache
@@ -110,7 +117,11 @@ class ModelRunner:
         for req, n in zip(requests, num_new):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             table = req.block_table
-            ids.extend(req.all_token_ids[start:end])
+            tokens = req.all_token_ids
+            if end > len(tokens):  # a verify: the last token, then the drafts
+                tokens = tokens + req.draft_token_ids
+                assert end <= len(tokens), (req.request_id, end, len(tokens))
+            ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             slots.extend(cache_slot(table, p, bs) for p in range(start, end))
             context_lens.append(end)
@@ -130,10 +141,12 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.long).to(device)
         return ids_t, torch.tensor(positions, dtype=torch.long).to(device), kv
 
-    def _stages(self, requests: list[Request], num_new: list[int]) -> Stages:
+    def _stages(
+        self, requests: list[Request], num_new: list[int], pre_norm: list[torch.Tensor] | None
+    ) -> Stages:
         if not requests:  # an empty batch still joins every collective of an EP step
             empty = torch.empty(0, dtype=torch.long, device=self.config.device)
-            return self.model.stages(empty, empty, [])
+            return self.model.stages(empty, empty, [], pre_norm_out=pre_norm)
         try:
             input_ids, positions, kv = self.prepare(requests, num_new)
         except Exception as e:
@@ -141,7 +154,7 @@ class ModelRunner:
         fused = None
         if self.cpu_decode is not None:  # the step's hidden states take the embedding's dtype
             fused = self.cpu_decode.layers(self.model.model.embed_tokens.weight, kv)
-        return self.model.stages(input_ids, positions, kv=kv, fused=fused)
+        return self.model.stages(input_ids, positions, kv=kv, fused=fused, pre_norm_out=pre_norm)
 
     def _preparable(
         self,
@@ -162,18 +175,29 @@ class ModelRunner:
             kept_new.append(n)
         return kept, kept_new
 
-    def forward(self, requests: list[Request], num_new: list[int], split: bool) -> torch.Tensor:
+    def forward(
+        self,
+        requests: list[Request],
+        num_new: list[int],
+        split: bool,
+        pre_norm: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """-> hidden [T, D] of the step's tokens, in order. With split, two micro-batches of
-        about equal token counts run interleaved (two-batch overlap)."""
+        about equal token counts run interleaved (two-batch overlap). pre_norm: the hidden
+        states before the final norm [T, D] are appended there (one tensor)."""
         if not split:
-            return run_interleaved([self._stages(requests, num_new)])[0]
+            return run_interleaved([self._stages(requests, num_new, pre_norm)])[0]
         self.num_split_steps += 1
         half, acc, cut = sum(num_new) / 2, 0, 0
         while cut < len(requests) and acc + num_new[cut] / 2 <= half:
             acc += num_new[cut]
             cut += 1
         parts = [(requests[:cut], num_new[:cut]), (requests[cut:], num_new[cut:])]
-        return torch.cat(run_interleaved([self._stages(r, n) for r, n in parts]))
+        pres: list[list[torch.Tensor] | None] = [None, None] if pre_norm is None else [[], []]
+        out = run_interleaved([self._stages(r, n, p) for (r, n), p in zip(parts, pres)])
+        if pre_norm is not None:  # in batch order, whichever part finished first
+            pre_norm.append(torch.cat([p[0] for p in pres]))
+        return torch.cat(out)
 
     @torch.inference_mode()
     def run(self, requests: list[Request], num_new: list[int], split: bool = False) -> RunOutput:
@@ -186,43 +210,86 @@ class ModelRunner:
         An exception in the forward pass itself (a collective, the model) still ends the step.
         """
         out = RunOutput()
-        if self.graphs is not None and not split and self.graphs.serves(requests, num_new):
+        spec = self.drafter is not None
+        if spec:  # d_2 .. d_k: the verify's input
+            self.drafter.chain(requests, _num_drafts(requests, num_new))
+        # NOTE: the decode graphs give normed states of one row per request: not a verify's
+        pre_norm: list[torch.Tensor] | None = [] if spec else None
+        if (
+            self.graphs is not None
+            and not spec
+            and not split
+            and self.graphs.serves(requests, num_new)
+        ):
             hidden = self.graphs.run(requests)  # [B, D]
         else:
             try:
-                hidden = self.forward(requests, num_new, split)  # [T, D]
+                hidden = self.forward(requests, num_new, split, pre_norm)  # [T, D]
             except _PrepareFailed:  # raised before any collective: build the others' alone
                 requests, num_new = self._preparable(requests, num_new, out.failed)
-                hidden = self.forward(requests, num_new, split)
+                pre_norm = [] if spec else None
+                hidden = self.forward(requests, num_new, split, pre_norm)
         if not requests:
             return out
-        last = torch.tensor(num_new).cumsum(0) - 1  # [B] index of each request's last token
+        drafts = _num_drafts(requests, num_new)
+        ends = torch.tensor(num_new).cumsum(0).tolist()  # [B] each request's end in the batch
         samplers = [
             i
             for i, (r, n) in enumerate(zip(requests, num_new))
-            if r.num_computed_tokens + n == r.num_tokens
+            if r.num_computed_tokens + n >= r.num_tokens
         ]
-        if not samplers:
-            return out
-        logits = self.model.compute_logits(hidden[last[samplers]])  # [n, V]
-        chosen = [requests[i] for i in samplers]
-        params = [r.params for r in chosen]
-        seeds, positions = [r.seed for r in chosen], [r.num_tokens for r in chosen]
+        # the rows sampled: a request's last, or with k drafts its last k + 1 (the verify)
+        groups = [range(ends[i] - 1 - drafts[i], ends[i]) for i in samplers]
+        targets = self._sample_groups(hidden, [requests[i] for i in samplers], groups, out.failed)
+        accepted: dict[int, int] = {}  # batch index -> drafts kept
+        for i, got in zip(samplers, targets):
+            if got is None:
+                continue
+            tokens, logprobs = got
+            a = num_accepted(requests[i].draft_token_ids[: drafts[i]], tokens)
+            accepted[i] = a
+            out.token_ids.append(tokens[: a + 1])
+            out.logprobs.append(logprobs[: a + 1])
+        if spec and pre_norm:
+            self.drafter.after_step(
+                _mtp_rows(requests, num_new, drafts, accepted, out, pre_norm[0], ends)
+            )
+        return out
+
+    def _sample_groups(
+        self,
+        hidden: torch.Tensor,
+        chosen: list[Request],
+        groups: list[range],
+        failed: dict[str, tuple[str, BaseException]],
+    ) -> list[tuple[list[int], list[TokenLogprobs | None]] | None]:
+        """Sample rows `groups[i]` of hidden [T, D] for chosen[i], row j at position
+        num_tokens + j -> per request (tokens, logprobs), or None where its rows failed (then
+        in `failed`; the others sample as they would have alone)."""
+        if not chosen:
+            return []
+        rows = [r for g in groups for r in g]
+        logits = self.model.compute_logits(hidden[rows])  # [n, V]
+        params = [req.params for req, g in zip(chosen, groups) for _ in g]
+        seeds = [req.seed for req, g in zip(chosen, groups) for _ in g]
+        positions = [req.num_tokens + j for req, g in zip(chosen, groups) for j in range(len(g))]
+        bounds = torch.tensor([0] + [len(g) for g in groups]).cumsum(0).tolist()
         try:
             sampled = self.sample(logits, params, seeds, positions)
-        except Exception:  # find the rows that fail alone; the others sample as they would have
-            for i, req in enumerate(chosen):
-                try:
-                    one = self.sample(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1],
-                                      positions[i : i + 1])  # fmt: skip
-                except Exception as e:
-                    out.failed[req.request_id] = ("sampling", e)
-                    continue
-                out.token_ids.append(one.token_ids.item())
-                out.logprobs.append(one.logprobs[0])
-            return out
-        out.token_ids, out.logprobs = sampled.token_ids.tolist(), sampled.logprobs
-        return out
+            ids = sampled.token_ids.tolist()
+            return [(ids[lo:hi], sampled.logprobs[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+        except Exception:  # find the requests that fail alone
+            pass
+        result: list[tuple[list[int], list[TokenLogprobs | None]] | None] = []
+        for req, lo, hi in zip(chosen, bounds, bounds[1:]):
+            try:
+                one = self.sample(logits[lo:hi], params[lo:hi], seeds[lo:hi], positions[lo:hi])
+            except Exception as e:
+                failed[req.request_id] = ("sampling", e)
+                result.append(None)
+                continue
+            result.append((one.token_ids.tolist(), one.logprobs))
+        return result
 
     def sample(
         self,
@@ -234,3 +301,36 @@ class ModelRunner:
         """engine.sampler.sample over logits [B, V] (a method, so that a test can make one
         request's sampling fail on a live rank)."""
         return sample(logits, params, seeds, positions)
+
+
+def _num_drafts(requests: list[Request], num_new: list[int]) -> list[int]:
+    """The drafts each request verifies this step (the rows past its known tokens)."""
+    return [max(0, r.num_computed_tokens + n - r.num_tokens) for r, n in zip(requests, num_new)]
+
+
+def _mtp_rows(
+    requests: list[Request],
+    num_new: list[int],
+    drafts: list[int],
+    accepted: dict[int, int],
+    out: RunOutput,
+    pre_norm: torch.Tensor,
+    ends: list[int],
+) -> list[MtpRows]:
+    """The rows whose main-model KV the step keeps, for the MTP layer: a prompt chunk's all, a
+    verify's first a + 1 (the last token and the accepted drafts); none of a failed request."""
+    rows, j = [], 0
+    for i, (req, n) in enumerate(zip(requests, num_new)):
+        if req.request_id in out.failed:
+            continue
+        start, ext = req.num_computed_tokens, req.all_token_ids
+        sampler = start + n >= req.num_tokens
+        kept = n
+        if sampler:
+            ext = ext + out.token_ids[j]
+            kept = n - drafts[i] + accepted[i]
+            j += 1
+        lo = ends[i] - n
+        next_ids = ext[start + 1 : start + kept + 1]  # the token after each kept row
+        rows.append(MtpRows(req, start, pre_norm[lo : lo + kept], next_ids, sampler))
+    return rows

@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from engine.messages import RequestOutput, Resume, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -32,6 +34,10 @@ class Request:
     num_text_sent: int = 0
     num_tokens_sent: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Speculative decoding (engine/speculative.py): the MTP layer's drafts of the tokens after
+    # the last one (d_1 .. d_k), and its hidden state [D] at the last drafted row (to chain).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_hidden: torch.Tensor | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -5,7 +5,9 @@ Each step has a token budget (max_num_batched_tokens) and a cap on running reque
 unfinished prompt a chunk of what is left. Then waiting requests are admitted, FCFS, while budget,
 seats and KV blocks last. When a running request cannot get a block, the most recently arrived
 running request is preempted: its blocks are freed and it recomputes later (same tokens: sampling
-depends only on seed and position).
+depends only on seed and position). With speculative decoding a decode verifies its drafts: it
+costs 1 + k tokens, k capped by the drafts it has, the tokens it may still produce, the context
+and the budget.
 """
 
 from collections import deque
@@ -29,10 +31,16 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, tiers: TierLink | None = None
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        tiers: TierLink | None = None,
+        max_model_len: int | None = None,
     ) -> None:
-        """tiers: the KV tiers below the paged cache (None: off)."""
+        """tiers: the KV tiers below the paged cache (None: off); max_model_len: the engine's
+        context limit (caps the drafts a step verifies)."""
         self.config = config
+        self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.tiers = tiers
         self.waiting: deque[Request] = deque()
@@ -57,6 +65,8 @@ class Scheduler:
         while queue and budget > 0:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == req.num_tokens - req.num_computed_tokens == 1:  # a decode
+                n += self._num_drafts(req, budget - 1)
             # NOTE: `while ... else`: the else runs only when append_slots succeeded (the loop
             # ended without a break); a request that had to preempt itself breaks out and is
             # neither kept nor batched. Preempting the youngest first keeps FCFS order.
@@ -94,6 +104,17 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """Drafts a decode verifies: never one that could only be a token past max_tokens or
+        the context (the step keeps at most k + 1 tokens)."""
+        k = min(self.config.num_draft_tokens, budget)
+        if k <= 0 or not req.draft_token_ids:
+            return 0
+        k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - req.num_tokens)
+        return max(k, 0)
+
     def admit_running(self, req: Request) -> None:
         """A request that arrives with its KV already in place (from a prefill rank)."""
         req.status = Status.RUNNING
@@ -104,6 +125,7 @@ class Scheduler:
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.draft_token_ids, req.draft_hidden = [], None  # the MTP layer drafts again
         self.num_preemptions += 1
         req.status = Status.WAITING
         if req in self.running:

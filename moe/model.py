@@ -206,6 +206,7 @@ class DeepseekForCausalLM(nn.Module):
         kv: PagedKV | None = None,
         fused: FusedLayers | None = None,
         topk_out: list[torch.Tensor] | None = None,
+        pre_norm_out: list[torch.Tensor] | None = None,
     ) -> Stages[torch.Tensor]:
         """input_ids, positions [T] (a flat batch of sequences) -> final hidden states [T, D],
         yielding while an MoE layer's rows travel.
@@ -215,15 +216,19 @@ class DeepseekForCausalLM(nn.Module):
         engine/cpu_decode.py), run over kv instead of the Python layers; the same numbers.
         topk_out: each MoE layer appends its topk_idx [T, K] there and its dispatcher counts no
         load (the caller counts it: the decode graphs leave their padding rows out).
+        pre_norm_out: the last layer's output [T, D] before the final norm is appended there
+        (the MTP layer's input: speculative decoding).
         """
         x = self.model.embed_tokens(input_ids)  # [T, D]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling)
         if fused is not None:
             assert kv is not None and topk_out is None, "the fused layers run over a paged cache"
             x = yield from fused.stages(x, cos, sin, kv)
-            return self.model.norm(x)
-        for layer in self.model.layers:
-            x = yield from layer.stages(x, cos, sin, seq_lens, kv, topk_out)
+        else:
+            for layer in self.model.layers:
+                x = yield from layer.stages(x, cos, sin, seq_lens, kv, topk_out)
+        if pre_norm_out is not None:
+            pre_norm_out.append(x)
         return self.model.norm(x)
 
     def forward_tokens(
@@ -279,9 +284,13 @@ class DeepseekForCausalLM(nn.Module):
         depth: int = 0,
     ) -> torch.Tensor:
         """`mtp_hidden` through shared_head: -> logits [T, V] fp32 for the token after next."""
-        layer = self.mtp[depth]
-        x = layer.shared_head.norm(
-            self.mtp_hidden(hidden, next_token_ids, positions, seq_lens, kv, depth)
+        return self.mtp_head(
+            self.mtp_hidden(hidden, next_token_ids, positions, seq_lens, kv, depth), depth
         )
+
+    def mtp_head(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """MTP layer `depth`'s block output [T, D] -> logits [T, V] fp32 (shared_head's norm,
+        then its own head or the main model's)."""
+        layer = self.mtp[depth]
         head = layer.shared_head.head
-        return (head if head is not None else self.lm_head)(x).float()
+        return (head if head is not None else self.lm_head)(layer.shared_head.norm(hidden)).float()

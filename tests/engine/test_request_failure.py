@@ -184,10 +184,10 @@ def test_a_step_that_stops_the_loop_names_its_requests(monkeypatch):
     engine = LLMEngine(EngineConfig(model="tiny-random", block_size=4))
     real = engine.runner.forward
 
-    def forward(requests, num_new, split):
+    def forward(requests, num_new, split, pre_norm=None):
         if any(r.request_id == "p" for r in requests):
             raise RuntimeError("CUDA out of memory")
-        return real(requests, num_new, split)
+        return real(requests, num_new, split, pre_norm)
 
     monkeypatch.setattr(engine.runner, "forward", forward)
     stopped = threading.Event()
