@@ -1,0 +1,264 @@
+"""Speculative decoding with the MTP layer (engine/speculative.py): the tokens equal the engine's
+without speculation, token for token (greedy and seeded sampling), over batching, chunked
+prefill, stops, max_tokens, preemption and prefix caching; rejected drafts leave no block
+behind; an oracle drafter (drafts equal to the target's tokens) exercises the accept path.
+
+The model: tiny-random's shapes with one random MTP layer (num_nextn_predict_layers 1), saved
+as safetensors with the layer at model.layers.3, as a DeepSeek-V3 checkpoint stores it: its
+drafts are mostly wrong (random weights), so correctness cannot lean on them."""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.block_manager import blocks_for
+from engine.config import EngineConfig, EngineConfigError, KVTiersConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.speculative import num_accepted
+from moe.presets import PRESETS, write_random_checkpoint
+
+BS = 4
+LAYERS = PRESETS["tiny-random"]["num_hidden_layers"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mtp-random")
+    write_random_checkpoint(dict(PRESETS["tiny-random"], num_nextn_predict_layers=1), path, 0)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))  # the model's names (mtp.0.*) -> the checkpoint's
+    renamed = {
+        f"model.layers.{LAYERS}.{k.removeprefix('mtp.0.')}" if k.startswith("mtp.0.") else k: v
+        for k, v in tensors.items()
+    }
+    assert any(k.startswith(f"model.layers.{LAYERS}.eh_proj") for k in renamed)
+    save_file(renamed, str(file), metadata={"format": "pt"})
+    return path
+
+
+def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    return [torch.randint(2, 512, (k,), generator=gen).tolist() for k in lengths]
+
+
+def spec(k: int) -> SpeculativeConfig:
+    return SpeculativeConfig("mtp", k)
+
+
+def mixed_params(n: int, temperature: float) -> list[SamplingParams]:
+    """Different lengths and seeds, every other request greedy when temperature > 0."""
+    return [
+        SamplingParams(
+            max_tokens=8 + 3 * (i % 5),
+            temperature=temperature if i % 2 else 0.0,
+            top_p=0.9,
+            seed=100 + i,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
+
+
+def outputs(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> list:
+    got = llm.generate(batch, params)
+    llm.engine.assert_no_leaks()
+    return [(o.token_ids, o.finish_reason, o.text) for o in got]
+
+
+class Oracle:
+    """A drafter that proposes the tokens a run without speculation produced (wrong at every
+    `wrong`-th position when set): the verify then accepts runs of several drafts."""
+
+    def __init__(self, expected: dict[str, list[int]], prompt_lens: dict[str, int], wrong: int = 0):
+        self.expected, self.prompt_lens, self.wrong = expected, prompt_lens, wrong
+
+    def __call__(self, logits: torch.Tensor, reqs: list, positions: list[int]) -> list[int]:
+        out = []
+        for req, pos in zip(reqs, positions):
+            tokens, i = self.expected[req.request_id], pos - self.prompt_lens[req.request_id]
+            token = tokens[i] if i < len(tokens) else 1
+            out.append(token + 1 if self.wrong and pos % self.wrong == 0 else token)
+        return out
+
+
+def with_oracle(llm: LLM, batch: list[list[int]], want: list, wrong: int = 0) -> None:
+    expected = {str(i): w[0] for i, w in enumerate(want)}
+    lens = {str(i): len(p) for i, p in enumerate(batch)}
+    llm.engine.runner.drafter.propose = Oracle(expected, lens, wrong)
+
+
+def test_num_accepted_is_the_matching_prefix() -> None:
+    assert num_accepted([], [7]) == 0
+    assert num_accepted([3, 4, 5], [3, 4, 5, 6]) == 3
+    assert num_accepted([3, 4, 5], [3, 9, 5, 6]) == 1
+    assert num_accepted([3], [2, 3]) == 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_greedy_without_speculation(ckpt: Path, k: int) -> None:
+    """16 requests of 3-60 tokens in one batch, chunked prefill (16 tokens a step)."""
+    batch = prompts(16, 3, 60, seed=1)
+    params = mixed_params(16, 0.0)
+    options = dict(block_size=BS, max_num_batched_tokens=16)
+    want = outputs(LLM(str(ckpt), **options), batch, params)
+    llm = LLM(str(ckpt), speculative=spec(k), **options)
+    assert outputs(llm, batch, params) == want
+    e = llm.engine
+    assert e.num_draft_tokens >= e.num_spec_verifies > 0
+    assert (e.num_draft_tokens > e.num_spec_verifies) == (k > 1)
+    assert 0 <= e.num_accepted_tokens < e.num_draft_tokens  # random weights: drafts mostly wrong
+    assert len(e.runner.kv_caches) == LAYERS + 1  # the MTP layer's own cache layer
+
+
+def test_seeded_sampling_equals_sampling_without_speculation(ckpt: Path) -> None:
+    batch = prompts(12, 5, 40, seed=2)
+    params = mixed_params(12, 0.9)
+    want = outputs(LLM(str(ckpt), block_size=BS), batch, params)
+    for k in (1, 3):
+        assert outputs(LLM(str(ckpt), block_size=BS, speculative=spec(k)), batch, params) == want
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_oracle_drafts_are_all_accepted(ckpt: Path, temperature: float) -> None:
+    """Drafts equal to the target's tokens: every one is accepted (k + 1 tokens a step), and
+    with every 3rd position wrong the requests of one batch accept different counts."""
+    batch = prompts(8, 4, 30, seed=3)
+    params = mixed_params(8, temperature)
+    want = outputs(LLM(str(ckpt), block_size=BS), batch, params)
+    llm = LLM(str(ckpt), block_size=BS, speculative=spec(3))
+    with_oracle(llm, batch, want)
+    steps_before = llm.engine.num_steps
+    assert outputs(llm, batch, params) == want
+    e = llm.engine
+    assert e.num_accepted_tokens == e.num_draft_tokens > 0
+    # each request: one prefill step, then 4 tokens a step (k = 3, capped by max_tokens)
+    longest = max(p.max_tokens for p in params)
+    assert e.num_steps - steps_before <= 1 + -(-(longest - 1) // 4) + 1
+    partly = LLM(str(ckpt), block_size=BS, speculative=spec(3))
+    with_oracle(partly, batch, want, wrong=3)
+    assert outputs(partly, batch, params) == want
+    p = partly.engine
+    assert 0 < p.num_accepted_tokens < p.num_draft_tokens
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(ckpt: Path) -> None:
+    """A stop id, a stop string or max_tokens falling inside a run of accepted drafts ends the
+    request there: not one token past it, the same text and finish reason."""
+    batch = prompts(6, 5, 20, seed=4)
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = [o.token_ids for o in LLM(str(ckpt), block_size=BS).generate(batch, free)]
+    params = []
+    for i, tokens in enumerate(runs):
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[tokens[6]]))
+        elif i % 3 == 1:
+            params.append(SamplingParams(max_tokens=5 + i, temperature=0, ignore_eos=True))
+        else:  # a stop string: the bytes of two tokens in the middle (ids < 256 are bytes)
+            text = bytes(t for t in tokens[4:12] if t < 256).decode("utf-8", errors="replace")
+            stop = text[len(text) // 2 : len(text) // 2 + 1] or "\x00"
+            params.append(SamplingParams(max_tokens=24, temperature=0, stop=[stop]))
+    want = outputs(LLM(str(ckpt), block_size=BS), batch, params)
+    assert any(r == "stop" for _, r, _ in want) and any(r == "length" for _, r, _ in want)
+    llm = LLM(str(ckpt), block_size=BS, speculative=spec(3))
+    with_oracle(llm, batch, [(r,) for r in runs])
+    assert outputs(llm, batch, params) == want
+    assert llm.engine.num_accepted_tokens > 0
+
+
+def test_preemption_with_a_tiny_cache(ckpt: Path) -> None:
+    batch = prompts(12, 10, 40, seed=5)
+    params = mixed_params(12, 0.9)
+    want = outputs(LLM(str(ckpt), block_size=BS), batch, params)
+    # 4 cache layers (3 + the MTP layer) x BS x C 40 x float32 a block; 40 blocks
+    llm = LLM(str(ckpt), block_size=BS, kv_cache_bytes=40 * 4 * BS * 40 * 4, speculative=spec(2))
+    assert llm.engine.block_manager.num_blocks == 40
+    assert outputs(llm, batch, params) == want
+    assert llm.engine.num_preemptions > 0
+
+
+def test_rejected_drafts_blocks_go_back_at_once(ckpt: Path) -> None:
+    """After every step a running request holds no block past its tokens (a verify wrote up
+    to k more); aborts in the middle free everything."""
+    llm = LLM(str(ckpt), block_size=BS, speculative=spec(3))
+    e = llm.engine
+    for i, p in enumerate(prompts(6, 3, 14, seed=6)):
+        e.add_request(str(i), p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(6):
+        e.step()
+        for req in e.scheduler.running:
+            held = len(req.block_table)
+            assert blocks_for(req.num_computed_tokens, BS) <= held <= blocks_for(req.num_tokens, BS)
+        e.block_manager.assert_consistent()
+    assert e.num_draft_tokens > e.num_accepted_tokens
+    for i in range(6):
+        e.abort_request(str(i))
+    e.assert_no_leaks()
+
+
+def mtp_rows(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Run `prompt`'s prefill alone; -> the MTP cache layer's rows for its positions [n, C]."""
+    engine.add_request("x", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()
+    req = engine.requests["x"]
+    assert req.num_computed_tokens == len(prompt)
+    cache = engine.runner.kv_caches[LAYERS]
+    rows = torch.stack([cache[req.block_table[p // BS], p % BS] for p in range(len(prompt))])
+    engine.abort_request("x")
+    return rows
+
+
+@pytest.mark.parametrize("where", ["paged", "host tier"])
+def test_prefix_hits_keep_the_mtp_layers_entries(ckpt: Path, where: str) -> None:
+    """The MTP layer's cache rides in the same blocks (and the tiers store every cache layer):
+    a prefix hit brings its entries for the hit positions, equal to a fresh prefill's, but for
+    the last one, computed with the token that followed it in the request that filled the
+    block (here 5, not the suffix's): a stale entry costs acceptance, never a token (the
+    tokens below equal those without speculation)."""
+    prefix, suffix = prompts(1, 24, 24, seed=7)[0], prompts(1, 6, 6, seed=8)[0]
+    tiers = KVTiersConfig(host_bytes=10**7) if where == "host tier" else None
+    cold = LLMEngine(EngineConfig(str(ckpt), block_size=BS, speculative=spec(1)))
+    want = mtp_rows(cold, prefix + suffix)
+    warm = LLMEngine(EngineConfig(str(ckpt), block_size=BS, speculative=spec(1), kv_tiers=tiers))
+    mtp_rows(warm, prefix + [5])
+    if tiers is not None:
+        warm.tiers.flush()
+        warm.block_manager.reset_prefix_cache()  # the paged copies gone: the tier serves
+    got = mtp_rows(warm, prefix + suffix)
+    assert warm.scheduler.num_prefix_hits == 24
+    torch.testing.assert_close(got[:23], want[:23], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[23], want[23], atol=1e-3)
+    torch.testing.assert_close(got[24:], want[24:], atol=1e-5, rtol=1e-5)  # computed here
+    # and the tokens are the same as without speculation
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = LLM(str(ckpt), block_size=BS).generate([prefix + suffix], params)[0].token_ids
+    warm.add_request("y", prefix + suffix, params)
+    tokens = []
+    while warm.has_unfinished():
+        tokens += [t for o in warm.step().outputs for t in o.token_ids]
+    assert tokens == plain
+    warm.assert_no_leaks()
+
+
+def test_off_without_an_mtp_layer(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        llm = LLM("tiny-random", block_size=BS, speculative=spec(2))
+    assert llm.engine.config.speculative is None and llm.engine.runner.drafter is None
+    assert len(llm.engine.runner.kv_caches) == LAYERS
+    assert sum("no MTP layer" in r.getMessage() for r in caplog.records) == 1
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].token_ids) == 4 and llm.engine.num_draft_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(num_draft_tokens=0), dict(num_draft_tokens=4), dict(method="eagle")]
+)
+def test_speculative_config_is_checked(bad: dict) -> None:
+    with pytest.raises(EngineConfigError, match="speculative"):
+        SpeculativeConfig(**bad)
+    with pytest.raises(EngineConfigError, match="speculative"):
+        EngineConfig(speculative={"method": "mtp"})  # a dict is not a SpeculativeConfig
