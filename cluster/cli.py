@@ -133,6 +133,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"{r.kv_total_blocks} blocks ({100 * r.kv_usage:.0f}%), "
                     f"{len(next(iter(r.expert_ids.values()), []))} expert slots"
                 )
+                if r.spec_draft_tokens:
+                    print(
+                        f"  {pool.name:7} rank {r.rank}: speculative decoding accepted "
+                        f"{r.spec_accepted_tokens}/{r.spec_draft_tokens} drafts "
+                        f"({100 * r.spec_acceptance_rate:.0f}%), "
+                        f"{r.spec_tokens_per_verify:.2f} tokens per verify step"
+                    )
             lead = pool.ranks[0].rebalance if pool.ranks else None
             if lead is not None:
                 print(f"  {pool.name:7} experts: {describe_rebalance(lead)}")

@@ -29,6 +29,9 @@ class EngineReports:
     tiers: TierLink | None
     max_model_len: int
     num_steps: int
+    num_spec_verifies: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
     comm: CommStats
     _last_comm: tuple[float, float]
 
@@ -47,6 +50,9 @@ class EngineReports:
         s.set("epcluster_prefix_cache_queries_total", self.scheduler.num_prefix_queried)
         s.set("epcluster_prefix_cache_hits_total", self.scheduler.num_prefix_hits)
         s.set("epcluster_routed_tokens_total", comm.rows)
+        s.set("epcluster_spec_draft_tokens_total", self.num_draft_tokens)
+        s.set("epcluster_spec_accepted_tokens_total", self.num_accepted_tokens)
+        s.set("epcluster_spec_verifies_total", self.num_spec_verifies)
         if split is None:  # no expert parallelism: no all-to-all
             return
         s.inc("epcluster_tbo_steps_total", 1, "yes" if split else "no")
@@ -80,6 +86,9 @@ class EngineReports:
             max_model_len=self.max_model_len,
             kernels=self.runner.kernels,
             rebalance=dataclasses.replace(self.balancer.last) if self.balancer else None,
+            spec_verifies=self.num_spec_verifies,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )
 
     def expert_load(self) -> dict[int, tuple[list[int], list[int]]]:

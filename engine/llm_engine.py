@@ -343,14 +343,19 @@ class LLMEngine(EngineReports):
             tokens, logprobs = sampled.token_ids[j], sampled.logprobs[j]
             j += 1
             if drafts:
-                self.num_spec_verifies += 1
-                self.num_draft_tokens += drafts
-                self.num_accepted_tokens += len(tokens) - 1
+                self._count_verify(drafts, len(tokens) - 1)
             try:
                 self._advance(req, n - drafts, tokens, logprobs, result)
             except Exception as e:  # this request's text or KV export: it alone fails
                 result.outputs.append(self._fail(req, "postprocessing", e))
         return result
+
+    def _count_verify(self, drafted: int, accepted: int) -> None:
+        self.num_spec_verifies += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if self.config.metrics:
+            self.stats.observe("epcluster_spec_accepted_per_verify", accepted)
 
     def _advance(
         self,

@@ -225,6 +225,10 @@ class RankStatus:
     metrics_endpoint: str = ""  # host:port of the rank's Prometheus /metrics
     kernels: str = ""  # which kernels serve this rank (kernels.backend.serving_kernels)
     rebalance: RebalanceStatus | None = None  # expert-parallel ranks only
+    # speculative decoding, since the start (engine/speculative.py): 0 with it off
+    spec_verifies: int = 0  # a request's steps that verified drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def down(cls, pool: str, rank: int) -> "RankStatus":
@@ -238,6 +242,16 @@ class RankStatus:
     @property
     def kv_free_blocks(self) -> int:
         return self.kv_total_blocks - self.kv_used_blocks
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 before any draft)."""
+        return self.spec_accepted_tokens / max(self.spec_draft_tokens, 1)
+
+    @property
+    def spec_tokens_per_verify(self) -> float:
+        """Tokens a verify step keeps on average: its accepted drafts and the bonus token."""
+        return 1 + self.spec_accepted_tokens / max(self.spec_verifies, 1)
 
 
 @dataclass(slots=True)

@@ -184,6 +184,9 @@ class Rank(abc.ABC):
             ("epcluster_kv_cache_blocks", ("reserved",)): e.reservations.num_blocks,
             ("epcluster_engine_stalled_seconds", ()): loop.stalled_s() if loop else 0.0,
             ("epcluster_kernels_info", (e.runner.kernels,)): 1.0,
+            ("epcluster_spec_acceptance_ratio", ()): (
+                e.num_accepted_tokens / max(e.num_draft_tokens, 1)
+            ),
             **self._balance_gauges(),
             **tier_series(e.kv_tier_stats()),
         }

@@ -246,6 +246,34 @@ _ROUTER_AND_ENGINE: tuple[Spec, ...] = (
     Spec(
         "epcluster_step_batch_size", "histogram", "Requests in an engine step.", (), COUNT_BUCKETS
     ),
+    # ---- speculative decoding (engine/speculative.py): zero with speculation off ----
+    Spec(
+        "epcluster_spec_draft_tokens_total",
+        "counter",
+        "Draft tokens the MTP layer proposed and the main model verified.",
+    ),
+    Spec(
+        "epcluster_spec_accepted_tokens_total",
+        "counter",
+        "Draft tokens accepted (equal to the target's own token at their position).",
+    ),
+    Spec(
+        "epcluster_spec_verifies_total",
+        "counter",
+        "A request's steps that verified drafts (each keeps its accepted drafts and one more).",
+    ),
+    Spec(
+        "epcluster_spec_accepted_per_verify",
+        "histogram",
+        "Drafts accepted in one request's verify step (0 to num_draft_tokens).",
+        (),
+        (0, 1, 2, 3),
+    ),
+    Spec(
+        "epcluster_spec_acceptance_ratio",
+        "gauge",
+        "Accepted / drafted tokens since the rank started (0 before any draft).",
+    ),
     Spec(
         "epcluster_kernels_info",
         "gauge",

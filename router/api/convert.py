@@ -321,6 +321,9 @@ def cluster_status_to_proto(status: ClusterStatus) -> pb.ClusterStatus:
                 num_pending=r.num_pending,
                 metrics_endpoint=r.metrics_endpoint,
                 rebalance=rebalance_to_proto(r.rebalance) if r.rebalance else None,
+                spec_verifies=r.spec_verifies,
+                spec_draft_tokens=r.spec_draft_tokens,
+                spec_accepted_tokens=r.spec_accepted_tokens,
             )
         layers = [layer for r in pool.ranks for layer in r.expert_ids]
         if not layers:
@@ -361,6 +364,9 @@ def cluster_status_from_proto(msg: pb.ClusterStatus) -> ClusterStatus:
                     rebalance=(
                         rebalance_from_proto(r.rebalance) if r.HasField("rebalance") else None
                     ),
+                    spec_verifies=r.spec_verifies,
+                    spec_draft_tokens=r.spec_draft_tokens,
+                    spec_accepted_tokens=r.spec_accepted_tokens,
                 )
                 for r in pool.ranks
             ],

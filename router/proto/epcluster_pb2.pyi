@@ -141,7 +141,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "ready", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "kv_cached_blocks", "kv_usage", "num_reserved", "block_size", "max_model_len", "num_steps", "stalled_s", "num_pending", "metrics_endpoint", "rebalance")
+    __slots__ = ("rank", "ready", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "kv_cached_blocks", "kv_usage", "num_reserved", "block_size", "max_model_len", "num_steps", "stalled_s", "num_pending", "metrics_endpoint", "rebalance", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens")
     RANK_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,9 @@ class RankStatus(_message.Message):
     NUM_PENDING_FIELD_NUMBER: _ClassVar[int]
     METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REBALANCE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     ready: bool
     num_running: int
@@ -174,7 +177,10 @@ class RankStatus(_message.Message):
     num_pending: int
     metrics_endpoint: str
     rebalance: RebalanceStatus
-    def __init__(self, rank: _Optional[int] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., stalled_s: _Optional[float] = ..., num_pending: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., rebalance: _Optional[_Union[RebalanceStatus, _Mapping]] = ...) -> None: ...
+    spec_verifies: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, rank: _Optional[int] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_reserved: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_steps: _Optional[int] = ..., stalled_s: _Optional[float] = ..., num_pending: _Optional[int] = ..., metrics_endpoint: _Optional[str] = ..., rebalance: _Optional[_Union[RebalanceStatus, _Mapping]] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class RebalanceStatus(_message.Message):
     __slots__ = ("number", "outcome", "moving", "balancedness_before", "balancedness_after", "slots_moved", "layers_moved", "duration_s", "longest_pause_s", "from_checkpoint")

@@ -244,6 +244,41 @@ def test_prefix_hits_keep_the_mtp_layers_entries(ckpt: Path, where: str) -> None
     warm.assert_no_leaks()
 
 
+def test_counters_in_the_metrics_and_the_status(ckpt: Path) -> None:
+    """The rank's series and its status carry the engine's counts; with an oracle drafter
+    (every draft right, k = 2) each verify keeps 3 tokens but where max_tokens caps it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.metrics.rank import RankCollector
+
+    batch = prompts(4, 5, 12, seed=9)
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * 4
+    want = outputs(LLM(str(ckpt), block_size=BS), batch, params)
+    llm = LLM(str(ckpt), block_size=BS, speculative=spec(2))
+    with_oracle(llm, batch, want)
+    assert outputs(llm, batch, params) == want
+    e = llm.engine
+    # 9 tokens after the prefill's first: verifies of 2 drafts keep 3 (3 + 3 + 3 = 9)
+    assert (e.num_spec_verifies, e.num_draft_tokens, e.num_accepted_tokens) == (12, 24, 24)
+    status = e.rank_status("decode", 0, True)
+    assert (status.spec_draft_tokens, status.spec_accepted_tokens) == (24, 24)
+    assert status.spec_acceptance_rate == 1.0 and status.spec_tokens_per_verify == 3.0
+    registry = CollectorRegistry()
+    registry.register(RankCollector(e.stats, dict, "m", "decode", 0))
+    text = generate_latest(registry).decode()
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert samples["epcluster_spec_draft_tokens_total", None] == 24
+    assert samples["epcluster_spec_accepted_tokens_total", None] == 24
+    assert samples["epcluster_spec_verifies_total", None] == 12
+    assert samples["epcluster_spec_accepted_per_verify_bucket", "1.0"] == 0
+    assert samples["epcluster_spec_accepted_per_verify_bucket", "2.0"] == 12
+
+
 def test_off_without_an_mtp_layer(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         llm = LLM("tiny-random", block_size=BS, speculative=spec(2))

@@ -145,7 +145,11 @@ def test_cluster_status_round_trip_and_placement_summary():
         num_queued=6,
         num_queued_tokens=70,
     )
+    status.pools[1].ranks[1].spec_verifies = 7  # speculative decoding's counters
+    status.pools[1].ranks[1].spec_draft_tokens = 14
+    status.pools[1].ranks[1].spec_accepted_tokens = 9
     msg = convert.cluster_status_to_proto(status)
+    assert msg.pools[1].ranks[1].spec_accepted_tokens == 9
     assert [p.pool for p in msg.placement] == ["prefill"]  # decode reported no experts
     assert msg.placement[0].layer == 2
     assert [(r.rank, r.num_slots, list(r.expert_ids)) for r in msg.placement[0].ranks] == [
