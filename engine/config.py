@@ -27,11 +27,12 @@ class SpeculativeConfig:
     num_draft_tokens: int = 1
 
     def __post_init__(self) -> None:
+        # NOTE: named by the field alone: the cluster's config names it speculative.<field>
         if self.method != "mtp":
-            raise EngineConfigError("speculative", "method must be mtp", self.method)
+            raise EngineConfigError("method", "must be mtp", self.method)
         k = self.num_draft_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 3:
-            raise EngineConfigError("speculative", "num_draft_tokens must be 1, 2 or 3", k)
+            raise EngineConfigError("num_draft_tokens", "must be 1, 2 or 3", k)
 
 
 class EngineConfigError(ValueError):
