@@ -71,9 +71,15 @@ def import_kv(
     kv_caches: list[torch.Tensor], block_table: list[int], data: torch.Tensor, start: int
 ) -> None:
     """Write rows start .. T-1 of data [L, T, C] into the request's blocks (rows before `start`
-    are already there: prefix-cached blocks, shared with other requests, are left untouched)."""
+    are already there: prefix-cached blocks, shared with other requests, are left untouched).
+
+    NOTE: the main model's layers come first on both sides; one more is the MTP layer's, on a
+    rank that speculates (engine/speculative.py). From a prefill rank without it, a speculating
+    decode rank's MTP layer keeps no rows for the prompt (its drafts miss more, its tokens stay
+    the same); a decode rank without it drops that layer."""
     num_layers, num_tokens, width = data.shape
-    assert num_layers == len(kv_caches) and width == kv_caches[0].shape[-1], data.shape
+    assert abs(num_layers - len(kv_caches)) <= 1, (num_layers, len(kv_caches))
+    assert width == kv_caches[0].shape[-1], data.shape
     block_size = kv_caches[0].shape[1]
     device = kv_caches[0].device
     pos = torch.arange(start, num_tokens, device=device)

@@ -3,41 +3,28 @@ without speculation, token for token (greedy and seeded sampling), over batching
 prefill, stops, max_tokens, preemption and prefix caching; rejected drafts leave no block
 behind; an oracle drafter (drafts equal to the target's tokens) exercises the accept path.
 
-The model: tiny-random's shapes with one random MTP layer (num_nextn_predict_layers 1), saved
-as safetensors with the layer at model.layers.3, as a DeepSeek-V3 checkpoint stores it: its
-drafts are mostly wrong (random weights), so correctness cannot lean on them."""
+The model (tests/mtp_checkpoint.py): tiny-random with one random MTP layer, whose drafts are
+mostly wrong, so correctness cannot lean on them."""
 
 import logging
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.block_manager import blocks_for
 from engine.config import EngineConfig, EngineConfigError, KVTiersConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.speculative import num_accepted
-from moe.presets import PRESETS, write_random_checkpoint
+from tests.mtp_checkpoint import LAYERS, write_mtp_random
 
 BS = 4
-LAYERS = PRESETS["tiny-random"]["num_hidden_layers"]
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("mtp-random")
-    write_random_checkpoint(dict(PRESETS["tiny-random"], num_nextn_predict_layers=1), path, 0)
-    file = path / "model.safetensors"
-    tensors = load_file(str(file))  # the model's names (mtp.0.*) -> the checkpoint's
-    renamed = {
-        f"model.layers.{LAYERS}.{k.removeprefix('mtp.0.')}" if k.startswith("mtp.0.") else k: v
-        for k, v in tensors.items()
-    }
-    assert any(k.startswith(f"model.layers.{LAYERS}.eh_proj") for k in renamed)
-    save_file(renamed, str(file), metadata={"format": "pt"})
-    return path
+    return write_mtp_random(tmp_path_factory.mktemp("mtp-random"))
 
 
 def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
