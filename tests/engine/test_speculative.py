@@ -110,6 +110,25 @@ def test_seeded_sampling_equals_sampling_without_speculation(ckpt: Path) -> None
         assert outputs(LLM(str(ckpt), block_size=BS, speculative=spec(k)), batch, params) == want
 
 
+def test_logprobs_are_the_target_rows(ckpt: Path) -> None:
+    """Each kept token's logprobs come from its own verify row: those of the plain engine."""
+    batch = prompts(4, 5, 20, seed=10)
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.7 * (i % 2), seed=i, logprobs=3, ignore_eos=True)
+        for i in range(4)
+    ]
+    want = LLM(str(ckpt), block_size=BS).generate(batch, params)
+    llm = LLM(str(ckpt), block_size=BS, speculative=spec(2))
+    with_oracle(llm, batch, [(o.token_ids,) for o in want], wrong=4)
+    got = llm.generate(batch, params)
+    assert llm.engine.num_accepted_tokens > 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs) == 9
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
 def test_oracle_drafts_are_all_accepted(ckpt: Path, temperature: float) -> None:
     """Drafts equal to the target's tokens: every one is accepted (k + 1 tokens a step), and
