@@ -16,6 +16,7 @@ from engine import LLM, SamplingParams
 from engine.block_manager import blocks_for
 from engine.config import EngineConfig, EngineConfigError, KVTiersConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
+from engine.messages import Resume
 from engine.speculative import num_accepted
 from tests.mtp_checkpoint import LAYERS, write_mtp_random
 
@@ -174,6 +175,22 @@ def test_stops_and_max_tokens_inside_an_accepted_run(ckpt: Path) -> None:
     with_oracle(llm, batch, [(r,) for r in runs])
     assert outputs(llm, batch, params) == want
     assert llm.engine.num_accepted_tokens > 0
+
+
+def test_a_resumed_request_goes_on_as_the_undisturbed_one(ckpt: Path) -> None:
+    """Resumed after 7 tokens (a rank failure), seeded: the rest equals the undisturbed run."""
+    prompt = prompts(1, 15, 15, seed=11)[0]
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    whole = LLM(str(ckpt), block_size=BS).generate([prompt], params)[0]
+    engine = LLMEngine(EngineConfig(str(ckpt), block_size=BS, speculative=spec(3)))
+    head = Resume(whole.token_ids[:7], "")
+    engine.add_request("r", prompt, params, resume=head)
+    rest = []
+    while engine.has_unfinished():
+        rest += [t for o in engine.step().outputs for t in o.token_ids]
+    assert rest == whole.token_ids[7:]
+    assert engine.num_draft_tokens > 0
+    engine.assert_no_leaks()
 
 
 def test_preemption_with_a_tiny_cache(ckpt: Path) -> None:
