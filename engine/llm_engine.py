@@ -101,7 +101,11 @@ class LLMEngine(EngineReports):
             self.balancer = Balancer(
                 self.model, placement, ep_group, moves_group, rank, config, self.stats
             )
-        if config.cuda_graph:
+        if config.cuda_graph and config.speculative is not None:
+            # NOTE: a verify runs k + 1 rows a request and needs the pre-norm states: the
+            # graphs (one row, normed) would never serve a step
+            log.warning("cuda_graph: not captured, speculative decoding runs every step eagerly")
+        elif config.cuda_graph:
             self.runner.enable_graphs(self.max_model_len)
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
