@@ -320,3 +320,26 @@ def test_speculative_config_is_checked(bad: dict) -> None:
         SpeculativeConfig(**bad)
     with pytest.raises(EngineConfigError, match="speculative"):
         EngineConfig(speculative={"method": "mtp"})  # a dict is not a SpeculativeConfig
+
+
+def test_pre_norm_states_in_batch_order_with_two_micro_batches(ckpt: Path) -> None:
+    """The verify's MTP input: the states before the final norm, in batch order also when the
+    step runs as two interleaved micro-batches (two-batch overlap)."""
+    engine = LLMEngine(EngineConfig(str(ckpt), block_size=BS, speculative=spec(1)))
+    for i, p in enumerate(prompts(3, 5, 9, seed=12)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=4))
+    batch = engine.scheduler.schedule()
+    one: list[torch.Tensor] = []
+    two: list[torch.Tensor] = []
+    with torch.inference_mode():
+        whole = engine.runner.forward(batch.requests, batch.num_new_tokens, False, one)
+        split = engine.runner.forward(batch.requests, batch.num_new_tokens, True, two)
+        normed = engine.model.model.norm(one[0])
+    assert engine.runner.num_split_steps == 1 and one[0].shape == (sum(batch.num_new_tokens), 64)
+    torch.testing.assert_close(split, whole)
+    torch.testing.assert_close(two[0], one[0])
+    torch.testing.assert_close(normed, whole)
+    assert not torch.allclose(one[0], whole, atol=1e-3)
+    for i in range(3):
+        engine.abort_request(str(i))
+    engine.assert_no_leaks()
