@@ -108,6 +108,19 @@ def _build(model: DeepseekForCausalLM) -> DecodeLayers | None:
     return DecodeLayers(tuple(built))
 
 
+def fused_block(layer: DecoderLayer) -> FusedLayer | None:
+    """One decoder layer compiled alone (the MTP layer's block: engine/speculative.py), or None
+    when it cannot be (see _decode_layer; an MoE block that does not hold every expert here).
+    Its weights never move (the balancer moves the main layers' only): built once."""
+    fused = _decode_layer(layer)
+    if fused is None:
+        return None
+    moe = layer.mlp if isinstance(layer.mlp, MoE) else None
+    if moe is not None and not fused.moe:
+        return None
+    return FusedLayer(fused, moe, True)
+
+
 def _fp32(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 

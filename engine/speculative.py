@@ -21,11 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cpu_decode import FusedLayer, fused_block
 from engine.request import Request
 from engine.sampler import argmax, sample
+from kernels.backend import use_cpu_kernel
 from kernels.mla_attention import cache_slot
+from kernels.rotary import rope_cos_sin
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
+from moe.mtp import eh_input
 
 
 def num_accepted(drafts: list[int], targets: list[int]) -> int:
@@ -52,12 +56,18 @@ class MtpRows:
 
 class MtpDrafter:
     """Runs the MTP layer (depth 0) over the runner's paged caches; cache layer
-    num_hidden_layers is its own."""
+    num_hidden_layers is its own. On the CPU its block runs compiled where the main layers'
+    do (engine/cpu_decode.py: the same numbers, one call instead of the Python layer's
+    ~40 kernel calls)."""
 
     def __init__(self, model: DeepseekForCausalLM, kv_caches: list[torch.Tensor], block_size: int):
         assert len(model.mtp) >= 1, "speculative decoding needs an MTP layer"
         assert len(kv_caches) == model.config.num_hidden_layers + 1, len(kv_caches)
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.fused: FusedLayer | None = None
+        if use_cpu_kernel(model.lm_head.weight):
+            self.fused = fused_block(model.mtp[0])
+        self.num_fused_calls = 0  # MTP calls the compiled block ran (the tests read it)
 
     def _kv(self, reqs: list[Request], starts: list[int], counts: list[int]) -> PagedKV:
         """The paged view for rows [start, start + count) of each request (its block table)."""
@@ -91,12 +101,21 @@ class MtpDrafter:
         the MTP block's output [T, D] (its cache layer written there)."""
         device = hidden.device
         positions = [p for s, n in zip(starts, counts) for p in range(s, s + n)]
-        return self.model.mtp_hidden(
-            hidden,
-            torch.tensor(next_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            kv=self._kv(reqs, starts, counts),
-        )
+        ids = torch.tensor(next_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        kv = self._kv(reqs, starts, counts)
+        if self.fused is None or not kv.all_absorbed:
+            return self.model.mtp_hidden(hidden, ids, pos, kv=kv)
+        # model.mtp_hidden's steps, the block compiled
+        m = self.model
+        x = eh_input(m.mtp[0], m.model.embed_tokens, hidden, ids)  # [T, D]
+        cos, sin = rope_cos_sin(pos, m.inv_freq, m.rope_scaling)
+        self.num_fused_calls += 1
+        out, _ = self.fused.decode.forward(
+            x.contiguous(), cos.contiguous(), sin.contiguous(), self.kv_caches[-1],
+            kv.slot_mapping, kv.absorbed_tables, kv.absorbed_lens,
+        )  # fmt: skip
+        return out
 
     def chain(self, requests: list[Request], num_drafts: list[int]) -> None:
         """Extend each request's drafts to num_drafts[i] tokens (d_2 .. d_k from d_1 and

@@ -343,3 +343,37 @@ def test_pre_norm_states_in_batch_order_with_two_micro_batches(ckpt: Path) -> No
     for i in range(3):
         engine.abort_request(str(i))
     engine.assert_no_leaks()
+
+
+def test_the_compiled_mtp_block_equals_the_python_one(ckpt: Path) -> None:
+    """On the CPU the MTP block runs compiled (engine/cpu_decode.py fused_block) for absorbed
+    rows: the same output as the Python layer, and the same tokens and counts in the engine."""
+    engine = LLMEngine(EngineConfig(str(ckpt), block_size=BS, speculative=spec(2)))
+    drafter = engine.runner.drafter
+    assert drafter.fused is not None
+    p = prompts(1, 9, 9, seed=13)[0]
+    engine.add_request("a", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()  # the prefill: the MTP layer's rows 0 .. 8
+    req = engine.requests["a"]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 64, generator=g)
+    with torch.inference_mode():
+        before = drafter.num_fused_calls
+        fused = drafter._run([req], [7], hidden, [5, 6], [2])  # rows 7, 8 again
+        assert drafter.num_fused_calls == before + 1
+        compiled, drafter.fused = drafter.fused, None
+        python = drafter._run([req], [7], hidden, [5, 6], [2])
+        drafter.fused = compiled
+    torch.testing.assert_close(fused, python, atol=1e-5, rtol=1e-5)
+    engine.abort_request("a")
+    batch = prompts(6, 4, 20, seed=14)
+    params = mixed_params(6, 0.9)
+    runs = {}
+    for compiled_block in (True, False):
+        llm = LLM(str(ckpt), block_size=BS, speculative=spec(2))
+        if not compiled_block:
+            llm.engine.runner.drafter.fused = None
+        e = llm.engine
+        runs[compiled_block] = (outputs(llm, batch, params), e.num_accepted_tokens)
+        assert (e.runner.drafter.num_fused_calls > 0) == compiled_block
+    assert runs[True] == runs[False]
