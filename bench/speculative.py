@@ -3,8 +3,10 @@ batch 1 and 8 with k = 0 (off), 1, 2, 3 on tiny-random's shapes with a random MT
 (tests/mtp_checkpoint.py), once with the MTP layer's own drafts (random weights: few accepted,
 the overhead of drafting and verifying) and once with an oracle drafter (the plain run's tokens:
 every draft accepted, the ceiling a perfect head would reach at this verify cost). The outputs
-equal the plain run's in every case (checked). Usage: .venv/bin/python -m bench.speculative."""
+equal the plain run's in every case (checked). --model: another checkpoint with an MTP layer
+(tiny with its trained head). Usage: .venv/bin/python -m bench.speculative [--model PATH]."""
 
+import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from engine.config import SpeculativeConfig
 from tests.mtp_checkpoint import write_mtp_random
 
 NEW_TOKENS = 64
+TEXTS = ["A class", "The function returns", "In Python, a list", "def main():"]
 REPEATS = 5
 
 
@@ -44,13 +47,20 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[f
 
 
 def main() -> None:
-    path = write_mtp_random(Path(tempfile.mkdtemp()) / "mtp-random")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a checkpoint with an MTP layer (default: random)")
+    args = parser.parse_args()
+    path = args.model or write_mtp_random(Path(tempfile.mkdtemp()) / "mtp-random")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in (1, 8):
-        prompts = [torch.randint(2, 512, (32,), generator=gen).tolist() for _ in range(batch)]
-        plain_s, want = timed(LLM(str(path), enable_prefix_caching=False), prompts, params)
+        plain = LLM(str(path), enable_prefix_caching=False)
+        if args.model:  # a trained model: text it has seen the like of
+            prompts = [plain.tokenizer.encode(TEXTS[i % len(TEXTS)]) for i in range(batch)]
+        else:
+            prompts = [torch.randint(2, 512, (32,), generator=gen).tolist() for _ in range(batch)]
+        plain_s, want = timed(plain, prompts, params)
         rows.append(dict(batch=batch, k=0, drafter="none", tok_s=batch * NEW_TOKENS / plain_s))
         for k in (1, 2, 3):
             for drafter in ("mtp", "oracle"):
@@ -80,8 +90,9 @@ def main() -> None:
     for row in rows:
         base = next(r for r in rows if r["batch"] == row["batch"] and r["k"] == 0)
         row["vs_plain"] = row["tok_s"] / base["tok_s"]
-    result = dict(new_tokens=NEW_TOKENS, repeats=REPEATS, model="tiny-random + MTP", rows=rows)
-    print(record("speculative", result))
+    model = args.model or "tiny-random + a random MTP layer"
+    result = dict(new_tokens=NEW_TOKENS, repeats=REPEATS, model=model, rows=rows)
+    print(record("speculative" if args.model is None else "speculative_model", result))
 
 
 if __name__ == "__main__":
