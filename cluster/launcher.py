@@ -318,8 +318,7 @@ class Cluster:
         if remove_pools is None:
             remove_pools = not self.config.keeps_pools
         if self.pools and remove_pools:
-            for pool in self.pools.values():
-                pool.kill_actors()
+            # every rank of the cluster stops (its KV tiers flush), then is killed
             log.info("removed: %s", ", ".join(registry.remove_pools(self.config.ray.cluster_name)))
             # the file stores of this cluster's groups (ranks killed by SIGKILL leave theirs)
             for path in glob.glob(f"{tempfile.gettempdir()}/epcluster-{self.cluster_id}-*"):
