@@ -340,11 +340,12 @@ class ClusterBackend:
         tokens = wire.known_token_ids
         known = len(tokens)
         key = prefix_key(wire.prompt_token_ids, self.block_size, self.routing.affinity_blocks)
-        hits = self.prefix_index.expected_hits(self.prefix_index.reusable(tokens))
+        hashes = self.prefix_index.hashes(tokens)
+        hits = self.prefix_index.expected_hits(hashes, known)
         route.prefill = prefill_choice(
             key, self.routes.prefill_load, hits, known, self.routing.prefill_max_imbalance
         )
-        self.prefix_index.sent(route.prefill, tokens)
+        self.prefix_index.sent(route.prefill, hashes)
         self.routes.prefill_load[route.prefill] += known
         p2p = self.routing.kv_p2p and not route.kv_fallback
         kv_dst = self.pools["decode"].ranks[route.decode].kv_rank

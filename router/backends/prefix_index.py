@@ -84,21 +84,23 @@ class PrefixIndex:
         self.ranks = [_Lru(size.rank_blocks) for _ in range(num_ranks)]
         self.shared = _Lru(size.shared_blocks)
 
-    def reusable(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
-        """The hashes of the prompt's blocks a rank could reuse (as BlockManager._plan: full
-        blocks, the last token left to compute)."""
-        bs = self.block_size
-        return block_hashes(prompt_token_ids[: (len(prompt_token_ids) - 1) // bs * bs], bs)
+    def hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks (hashed once per request: the choice
+        and the record both take them)."""
+        return block_hashes(prompt_token_ids, self.block_size)
 
-    def expected_hits(self, hashes: Sequence[bytes]) -> list[int]:
-        """-> per rank, the prompt tokens expected to hit (the longest leading run of `hashes`
-        held by that rank or by the pool's shared disk), in tokens."""
-        shared = self.shared.run(hashes)
-        return [max(lru.run(hashes), shared) * self.block_size for lru in self.ranks]
+    def expected_hits(self, hashes: Sequence[bytes], num_tokens: int) -> list[int]:
+        """-> per rank, the prompt tokens expected to hit: the longest leading run of the
+        prompt's reusable blocks (as BlockManager._plan: the last token is always computed)
+        held by that rank or by the pool's shared disk, in tokens. hashes: self.hashes(prompt)
+        of the num_tokens-token prompt."""
+        reusable = hashes[: (num_tokens - 1) // self.block_size]
+        shared = self.shared.run(reusable)
+        return [max(lru.run(reusable), shared) * self.block_size for lru in self.ranks]
 
-    def sent(self, rank: int, prompt_token_ids: Sequence[int]) -> None:
-        """The prompt went to `rank`: its full blocks will be there (and on the shared disk)."""
-        hashes = block_hashes(prompt_token_ids, self.block_size)
+    def sent(self, rank: int, hashes: Sequence[bytes]) -> None:
+        """The prompt of these block hashes went to `rank`: its full blocks will be there (and
+        on the shared disk)."""
         self.ranks[rank].add(hashes)
         self.shared.add(hashes)
 
