@@ -236,17 +236,24 @@ def main() -> None:
         + ("paged_blocks", "host_blocks", "disk_blocks", "seed", "block_bytes")
     }
     path = record(args.name, {"workload": workload, "block_size": bs, "results": results})
-    (RESULTS / f"{args.name}.md").write_text(markdown(results, workload, path))
+    path.with_suffix(".md").write_text(markdown(results, path))
     if args.plot:
         plot(results, RESULTS / f"{args.name}.png")
     print(f"recorded {path}")
 
 
-def markdown(results: dict[str, dict], workload: dict, path: Path) -> str:
+def markdown(results: dict[str, dict], path: Path) -> str:
+    """The table of the result file at path, with its command, commit, date, load and note."""
+    recorded = json.loads(path.read_text())
+    workload = ", ".join(f"{k} {v}" for k, v in recorded["workload"].items())
     lines = [
         f"# {path.stem}: the tiered KV cache on a multi-turn workload",
         "",
-        f"Result file: `{path.name}` (command, commit, machine, load). Workload: {workload}.",
+        f"`{recorded['command']}` at {recorded['date']}, commit {recorded['commit']}, "
+        f"{recorded['cpu']} ({recorded['cores']} cores), load average "
+        f"{recorded['load_average']}. Note: {recorded.get('note', 'none')}.",
+        "",
+        f"Workload: {workload}. Hit tokens by tier: paged = cached - host - disk.",
         "",
         "| config | hit rate | paged / host / disk hit tokens | TTFT p50 (s) | TTFT p90 (s) "
         "| total (s) | same answers |",
