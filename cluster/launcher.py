@@ -26,6 +26,7 @@ from moe.config import ModelConfig
 from moe.loader import resolve_model_path
 from router.auth import ServerSecurity, read_token
 from router.backends.cluster import ClusterBackend
+from router.backends.prefix_index import IndexSize
 from router.metrics import RouterMetrics
 from router.server import RouterServer
 
@@ -141,6 +142,14 @@ class Cluster:
                 c.health,
                 control=self,
                 metrics=self.metrics,
+                prefix_index=IndexSize.of(
+                    prefill.kv_cache_bytes,
+                    mc.num_hidden_layers
+                    * prefill.block_size
+                    * mc.kv_cache_width
+                    * prefill.torch_dtype.itemsize,
+                    prefill.kv_tiers,
+                ),
             )
             self._serve_metrics()
             # the protocols, mounted one by one: epcluster.v1 always, vLLM's engine protocol
@@ -309,8 +318,7 @@ class Cluster:
         if remove_pools is None:
             remove_pools = not self.config.keeps_pools
         if self.pools and remove_pools:
-            for pool in self.pools.values():
-                pool.kill_actors()
+            # every rank of the cluster stops (its KV tiers flush), then is killed
             log.info("removed: %s", ", ".join(registry.remove_pools(self.config.ray.cluster_name)))
             # the file stores of this cluster's groups (ranks killed by SIGKILL leave theirs)
             for path in glob.glob(f"{tempfile.gettempdir()}/epcluster-{self.cluster_id}-*"):

@@ -244,9 +244,14 @@ class Pool:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
 
+    def stop_actors(self) -> None:
+        """An orderly removal: every rank stops (its KV tiers write what is queued), then is
+        killed (registry.stop_and_kill). A re-form kills without it: its ranks died or hung."""
+        registry.stop_and_kill([a for a in self.actors if a is not None], self.name)
+
     def shutdown(self) -> None:
-        """Remove the pool for good: its actors and its placement group."""
-        self.kill_actors()
+        """Remove the pool for good: its actors (stopped first) and its placement group."""
+        self.stop_actors()
         remove_placement_group(self.placement_group)
 
 

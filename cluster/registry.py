@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 from ray.experimental import internal_kv
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "epcluster"  # every named actor of every epcluster cluster on a Ray cluster
 POOLS = ("prefill", "decode")
+STOP_TIMEOUT_S = 10.0  # a rank's orderly stop: its KV tiers' queued writes (Rank.stop)
+STOP_GRACE_S = 5.0  # over that, for the stop call itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +119,32 @@ def placement_group_of(entry: PoolRecord) -> PlacementGroup | None:
     return None if state in (None, "REMOVED") else pg
 
 
+def stop_and_kill(actors: list[ActorHandle], pool: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """An orderly removal of rank actors: each one's stop (Rank.stop: its engine ends, its KV
+    tiers write what is queued, so a restart finds those blocks on disk), at most timeout_s for
+    all of them, then the kill. NOTE: ray.kill alone skips Rank.stop."""
+    refs = [actor.stop.remote(timeout_s) for actor in actors]
+    if refs:
+        try:
+            _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + STOP_GRACE_S)
+        except Exception as e:  # a rank already gone: the kill is all there is to do
+            log.warning("%s pool: stopping its ranks failed: %r", pool, e)
+        else:
+            if late:
+                log.warning("%s pool: %d ranks did not stop in time", pool, len(late))
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
 def remove_pools(cluster_name: str) -> list[str]:
     """Kill every rank actor of the cluster, remove its placement groups and its record (for
     good: `epcluster stop`); -> what was removed, for the operator."""
     removed = []
     record = read(cluster_name)
     for pool in POOLS:
-        for name, actor in sorted(pool_actors(cluster_name, pool).items()):
-            ray.kill(actor, no_restart=True)
-            removed.append(f"actor {name}")
+        actors = sorted(pool_actors(cluster_name, pool).items())
+        stop_and_kill([actor for _, actor in actors], pool)
+        removed += [f"actor {name}" for name, _ in actors]
         entry = record.pools.get(pool) if record else None
         pg = placement_group_of(entry) if entry else None
         if pg is not None:

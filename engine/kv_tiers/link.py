@@ -1,4 +1,4 @@
-"""TierLink: the engine's side of the tiers (docs/kv_tiers.md, "Wiring into the engine").
+"""TierLink: the engine's side of the tiers (docs/kv_tiers.md, "How it is wired").
 
 Write-back: the engine hands over the paged blocks whose hashes a step registered; after the step
 they are copied out (`paged.blocks_out`) and offered to the store, whose queue drops instead of

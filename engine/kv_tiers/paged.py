@@ -1,5 +1,5 @@
 """Moving whole blocks between a rank's paged cache and the tiers: the two copies the engine will
-call (docs/kv_tiers.md, "Wiring into the engine"), kept here so they are tested before the wiring.
+call (docs/kv_tiers.md, "How it is wired"), kept here so they are tested before the wiring.
 
 Legend (kernels/__init__.py): L layers, NB cache blocks, BS block size, C latent width, n blocks
 moved. The paged cache is L x [NB, BS, C]; a tier block is [L, BS, C] on the CPU.

@@ -47,6 +47,7 @@ from router.backends.cluster_admin import ClusterAdmin
 from router.backends.decode_streams import DecodeStreams
 from router.backends.lease_renewer import LeaseRenewer
 from router.backends.pools import HealthConfig, PoolControl, Pools, RankCallFailed, RankFailed
+from router.backends.prefix_index import IndexSize, PrefixIndex
 from router.backends.ranks import DecodeRank, PrefillRank
 from router.backends.reservations import DecodeReservations
 from router.backends.route_table import Route, RouteTable
@@ -54,6 +55,7 @@ from router.backends.routing import RoutingConfig, prefill_choice, prefix_key
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
+DEFAULT_INDEX_BLOCKS = 4096  # per prefill rank, when the caller does not size the prefix index
 
 
 class ClusterBackend:
@@ -72,7 +74,11 @@ class ClusterBackend:
         health: HealthConfig | None = None,
         control: PoolControl | None = None,
         metrics: RouterMetrics | None = None,
+        prefix_index: IndexSize | None = None,
     ) -> None:
+        """prefix_index: how many blocks the router's estimate of the prefill ranks' cached
+        prefixes remembers (IndexSize.of the pool's budgets; None: DEFAULT_INDEX_BLOCKS per
+        rank, no shared disk)."""
         self._model_info, self.tokenizer = model_info, tokenizer
         self.block_size = block_size
         self.routing = routing = routing or RoutingConfig()
@@ -89,6 +95,8 @@ class ClusterBackend:
         self.router_id = uuid.uuid4().hex
         self._seq = itertools.count()
         self.routes = RouteTable(len(prefill), len(decode), block_size, routing.max_reserve_waiters)
+        size = prefix_index or IndexSize(DEFAULT_INDEX_BLOCKS)
+        self.prefix_index = PrefixIndex(len(prefill), block_size, size)
         self.streams = DecodeStreams(self.pools, self.routes, self.router_id, routing.kv_lease_s)
         self.renewer = LeaseRenewer(self.pools, self.routes, routing, self.router_id)
         self.admin = ClusterAdmin(self.pools, routing, model_info, self.routes)
@@ -157,6 +165,8 @@ class ClusterBackend:
             if recovery:
                 self.metrics.child("epcluster_pool_recovery_seconds", pool).observe(recovery[-1])
         self.routes.reset_load(len(self.pools["prefill"].ranks), len(self.pools["decode"].ranks))
+        if pool == "prefill":
+            self.prefix_index.reset(len(self.pools["prefill"].ranks))
         if pool == "decode":
             await self.streams.open()
 
@@ -327,11 +337,15 @@ class ClusterBackend:
             )
         prefill = self.pools["prefill"]
         route.prefill_gen = prefill.generation
-        known = len(wire.known_token_ids)
+        tokens = wire.known_token_ids
+        known = len(tokens)
         key = prefix_key(wire.prompt_token_ids, self.block_size, self.routing.affinity_blocks)
+        hashes = self.prefix_index.hashes(tokens)
+        hits = self.prefix_index.expected_hits(hashes, known)
         route.prefill = prefill_choice(
-            key, self.routes.prefill_load, self.routing.prefill_max_imbalance
+            key, self.routes.prefill_load, hits, known, self.routing.prefill_max_imbalance
         )
+        self.prefix_index.sent(route.prefill, hashes)
         self.routes.prefill_load[route.prefill] += known
         p2p = self.routing.kv_p2p and not route.kv_fallback
         kv_dst = self.pools["decode"].ranks[route.decode].kv_rank

@@ -4,10 +4,13 @@ settings (RoutingConfig: leases, waits, resumes, affinity, p2p KV, periodic reba
 Decode: the rank with the most free KV blocks (net of what this router has just sent there),
 then the fewest running requests; it must fit the prompt, and have no preempted request waiting
 for blocks (those are re-admitted first: a new reservation would take the blocks they need).
-Prefill: prefix affinity bounded by load. Rendezvous hashing of the prompt's first full blocks
-gives every prefill rank a score; requests that share those blocks rank the ranks the same way,
-so they meet the same prefix cache. Of the two best-scoring ranks (power of two choices) the
-first is taken unless it is busier than the second by more than `max_imbalance` tokens.
+Prefill: expected prefix hits weighed against queued work. For each prefill rank the router
+expects some of the prompt's leading tokens to hit its paged cache or its KV tiers
+(router/backends/prefix_index.py); the rank chosen minimises its queued prompt tokens plus the
+prompt tokens it would compute (those not expected to hit), among the ranks busier than the
+least busy by at most `max_imbalance` tokens (so hits never pile all work on one rank). Ties
+(e.g. a new prompt on idle ranks) go by rendezvous hashing of the prompt's first full blocks:
+requests that share those blocks rank the ranks the same way, so they meet the same cache.
 """
 
 import hashlib
@@ -24,8 +27,8 @@ class RoutingConfig:
     max_reserve_waiters: int = 1024  # requests waiting for decode room; more: refused at once
     recovery_wait_s: float = 120.0  # how long a request waits for a re-forming pool
     max_resumes: int = 3  # resumes of one request after rank failures, then UNAVAILABLE
-    prefill_max_imbalance: int = 4096  # queued prompt tokens before affinity gives way to load
-    affinity_blocks: int = 1  # prompt blocks whose hash picks the preferred prefill rank
+    prefill_max_imbalance: int = 4096  # queued prompt tokens over the least busy: no candidate
+    affinity_blocks: int = 1  # prompt blocks whose hash breaks ties between prefill ranks
     kv_p2p: bool = False  # KV goes point to point: a failed transfer falls back to objects
     eplb_interval_s: float = 0.0  # rebalance the experts of both pools this often (0: never)
 
@@ -67,14 +70,19 @@ def prefix_key(prompt_token_ids: list[int], block_size: int, num_blocks: int = 1
     return hashlib.blake2b(repr(prompt_token_ids).encode(), digest_size=16).digest()
 
 
-def prefill_choice(key: bytes, loads: list[int], max_imbalance: int) -> int:
-    """Rendezvous hashing over the ranks, bounded by load (queued prompt tokens per rank)."""
-    assert loads, "no prefill ranks"
-    scores = [
-        hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=8).digest()
-        for i in range(len(loads))
-    ]
-    first, *rest = sorted(range(len(loads)), key=lambda i: scores[i], reverse=True)
-    if rest and loads[first] - loads[rest[0]] > max_imbalance:
-        return rest[0]
-    return first
+def prefill_choice(
+    key: bytes, loads: list[int], hits: list[int], prompt_tokens: int, max_imbalance: int
+) -> int:
+    """-> the prefill rank for a prompt of prompt_tokens tokens. loads: queued prompt tokens
+    per rank; hits: the prompt's tokens expected to hit per rank (PrefixIndex.expected_hits);
+    key: prefix_key of the prompt (breaks ties). Cost of a rank = its load + the tokens it would
+    compute; ranks busier than the least busy by more than max_imbalance are left out."""
+    assert loads and len(hits) == len(loads), (loads, hits)
+    least = min(loads)
+    candidates = [i for i, load in enumerate(loads) if load - least <= max_imbalance]
+
+    def rendezvous(i: int) -> int:
+        digest = hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    return min(candidates, key=lambda i: (loads[i] + prompt_tokens - hits[i], -rendezvous(i)))

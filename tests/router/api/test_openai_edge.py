@@ -97,7 +97,13 @@ def test_poison_bodies_are_4xx_naming_the_field(server, path, body, param):
 
 
 def test_bounds_at_the_edge_are_accepted(server):
-    body = {"prompt": "x", "max_tokens": 2, "top_k": 2**31 - 1, "seed": 2**63 - 1, "ignore_eos": True}
+    body = {
+        "prompt": "x",
+        "max_tokens": 2,
+        "top_k": 2**31 - 1,
+        "seed": 2**63 - 1,
+        "ignore_eos": True,
+    }
     code, reply = post(server, "/v1/completions", json.dumps(body).encode())
     assert code == 200 and reply["usage"]["completion_tokens"] == 2, reply
     code, reply = post(server, "/v1/completions", json.dumps({**body, "top_k": 2**31}).encode())

@@ -26,21 +26,30 @@ def test_prefix_key_depends_on_the_first_blocks_only():
     assert prefix_key([1, 2, 3], 16) != prefix_key([1, 2, 4], 16)  # shorter than a block
 
 
-def test_prefill_affinity_is_stable_and_spreads_prefixes():
-    loads = [0, 0, 0, 0]
+def test_prefill_ties_are_stable_and_spread_prefixes():
+    loads, hits = [0, 0, 0, 0], [0, 0, 0, 0]
     keys = [prefix_key([i] * 16, 16) for i in range(200)]
-    choices = [prefill_choice(k, loads, 100) for k in keys]
-    assert choices == [prefill_choice(k, loads, 100) for k in keys]  # same prefix, same rank
+    choices = [prefill_choice(k, loads, hits, 40, 100) for k in keys]
+    assert choices == [prefill_choice(k, loads, hits, 40, 100) for k in keys]  # same prefix
     counts = [choices.count(r) for r in range(4)]
     assert min(counts) > 25  # rendezvous hashing spreads prefixes over all ranks
 
 
-def test_prefill_affinity_gives_way_to_load():
+def test_prefill_weighs_expected_hits_against_queued_tokens():
     key = prefix_key(list(range(16)), 16)
-    home = prefill_choice(key, [0, 0, 0], 100)
-    loads = [0, 0, 0]
-    loads[home] = 101
-    second = prefill_choice(key, loads, 100)
-    assert second != home
-    loads[home] = 100  # within the bound: affinity wins
-    assert prefill_choice(key, loads, 100) == home
+    # a 100-token prompt, 64 of them expected to hit rank 1: costs 0+100, 30+36, 10+100
+    assert prefill_choice(key, [0, 30, 10], [0, 64, 0], 100, 4096) == 1
+    # rank 1 busier: 70 + 36 = 106 > 0 + 100
+    assert prefill_choice(key, [0, 70, 10], [0, 64, 0], 100, 4096) == 0
+    # the shared disk's hits count for every rank: load decides (costs 50, 66, 46)
+    assert prefill_choice(key, [14, 30, 10], [64, 64, 64], 100, 4096) == 2
+    # no hits anywhere: the least busy rank
+    assert prefill_choice(key, [5, 3, 9], [0, 0, 0], 100, 4096) == 1
+
+
+def test_prefill_hits_are_bounded_by_max_imbalance():
+    key = prefix_key(list(range(16)), 16)
+    # rank 0 holds the whole prompt: cost 150 + 0 beats 0 + 1000, but it is 150 tokens busier
+    # than the least busy: out for a bound of 100, in for 150
+    assert prefill_choice(key, [150, 0], [1000, 0], 1000, 100) == 1
+    assert prefill_choice(key, [150, 0], [1000, 0], 1000, 150) == 0
