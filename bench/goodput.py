@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.common import RESULTS, record
@@ -84,24 +85,118 @@ def summarise(report: dict, slo_ttft: float, slo_tpot: float) -> dict:
     }
 
 
-def predict(args: argparse.Namespace, load: float) -> dict:
-    """The plan's prediction for the same deployment (prefill,decode ranks on this CPU) and an
-    open-loop load (closed loop: the rate the measured run reached is not known beforehand)."""
+def summarise_records(records: list, slo_ttft: float, slo_tpot: float) -> dict:
+    """The same figures from bench/openloop.py's records, plus the rate delivered: requests over
+    the span of their sends (the n - 1 gaps of n sends), and how late the sends were."""
+    done = [r for r in records if r.error is None and r.first_s is not None]
+    if not done:
+        raise RuntimeError(f"no request completed; the first error: {records[0].error}")
+    sent = sorted(r.sent_s for r in records)
+    seconds = max(r.last_s for r in done) - sent[0]
+    ttft = [r.first_s - r.sent_s for r in done]
+    tpot = [(r.last_s - r.first_s) / max(r.output_tokens - 1, 1) for r in done]
+    e2e = [r.last_s - r.sent_s for r in done]
+    good = sum(1 for a, b in zip(ttft, tpot) if a <= slo_ttft and b <= slo_tpot)
+    late = sorted(r.sent_s - r.scheduled_s for r in records)
+
+    def pct(xs: list[float], q: int) -> float | None:
+        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else None
+
+    return {
+        "requests": len(done),
+        "failed": len(records) - len(done),
+        "delivered_rps": (len(sent) - 1) / (sent[-1] - sent[0]),
+        "send_delay_p99_s": pct(late, 99),
+        "duration_s": seconds,
+        "throughput_rps": len(done) / seconds,
+        "input_tokens_per_s": sum(r.prompt_tokens for r in done) / seconds,
+        "output_tokens_per_s": sum(r.output_tokens for r in done) / seconds,
+        "goodput_rps": good / seconds,
+        **{f"ttft_p{q}_s": pct(ttft, q) for q in (50, 90, 99)},
+        **{f"tpot_p{q}_s": pct(tpot, q) for q in (50, 90, 99)},
+        **{f"e2e_p{q}_s": pct(e2e, q) for q in (50, 90, 99)},
+    }
+
+
+def _local(args: argparse.Namespace):  # -> (PlanModel, Workload at rate 1, LocalCluster)
+    from cluster.plan.local import LocalCluster
     from cluster.plan.models import load_model
-    from cluster.plan.planner import ModelCosts, predict_fixed
-    from cluster.plan.probe import cpu_hardware
     from cluster.plan.workload import Workload
 
     prefill, decode = (int(x) for x in args.plan.split(","))
-    # assumption: every rank busy at once, the machine's cores and bandwidth shared evenly
-    share = min(1.0, (os.cpu_count() or 1) / (prefill + decode))
-    costs = ModelCosts(load_model(args.model), cpu_hardware(share=share), 1, "fp32", "fp32")
     hit = args.prefix_tokens / (args.prefix_tokens + args.prompt_tokens)
-    work = Workload("bench", load, args.prompt_tokens + args.prefix_tokens, args.output_tokens, hit)
-    plan = predict_fixed(costs, work, prefill, decode, args.slo_ttft, args.slo_tpot)
-    s = plan.summary()
-    keys = ("ttft_s", "ttft_p90_s", "tpot_s", "tpot_p90_s", "e2e_s", "goodput_rps")
-    return {k: s[k] for k in keys}
+    prompt = args.prompt_tokens + args.prefix_tokens
+    work = Workload("bench", 1.0, prompt, args.output_tokens, hit)
+    return load_model(args.model), work, LocalCluster(prefill, decode, other_busy=args.other_busy)
+
+
+def level_requests(args: argparse.Namespace, load: float) -> int:
+    """`--requests`, or more to fill `--duration` seconds at this rate."""
+    return max(args.requests, round(load * (args.duration or 0)))
+
+
+def predict(args: argparse.Namespace, load: float, requests: int) -> dict:
+    """The plan's prediction for the same deployment (prefill,decode ranks on this CPU, sharing
+    its cores: cluster/plan/local.py) at an open-loop rate (closed loop: the rate the measured
+    run reached is not known beforehand)."""
+    from cluster.plan.local import predict_local
+
+    model, work, cluster = _local(args)
+    return predict_local(model, work.scaled(load), cluster, args.slo_ttft, args.slo_tpot, requests)
+
+
+def capacity(args: argparse.Namespace) -> float:
+    from cluster.plan.local import capacity_rps
+
+    return capacity_rps(*_local(args))
+
+
+def cpu_seconds(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of the router (the serve process), its rank actors, the rest of its
+    process tree (Ray's daemons) and this load generator: who used the cores during a load."""
+    import psutil
+
+    def used(proc: psutil.Process) -> float:
+        try:
+            t = proc.cpu_times()
+            return t.user + t.system
+        except psutil.Error:
+            return 0.0
+
+    out = {"client": used(psutil.Process()), "router": 0.0, "ranks": 0.0, "ray_other": 0.0}
+    if server_pid is None:
+        return out
+    root = psutil.Process(server_pid)
+    out["router"] = used(root)
+    for child in root.children(recursive=True):
+        try:
+            name = " ".join(child.cmdline()[:1])
+        except psutil.Error:
+            continue
+        key = "ranks" if name.startswith(("ray::Prefill", "ray::Decode")) else "ray_other"
+        out[key] += used(child)
+    return out
+
+
+def measure_openloop(args: argparse.Namespace, load: float) -> dict:
+    import asyncio
+
+    from bench.openloop import OpenLoop, run
+    from moe.presets import ensure_preset
+
+    vocab = json.loads((ensure_preset(args.model) / "config.json").read_text())["vocab_size"]
+    cfg = OpenLoop(args.target, args.model, load, level_requests(args, load), args.prompt_tokens,
+                   args.prefix_tokens, args.output_tokens, vocab, args.seed)  # fmt: skip
+    before, start = cpu_seconds(args.server_pid), time.perf_counter()
+    records = asyncio.run(run(cfg))
+    after, wall = cpu_seconds(args.server_pid), time.perf_counter() - start
+    row = summarise_records(records, args.slo_ttft, args.slo_tpot)
+    # cores each part kept busy on average over the load
+    row["cpu_cores"] = {k: (after[k] - before[k]) / wall for k in after}
+    print(f"offered {load} req/s: delivered {row['delivered_rps']:.3f}, done {row['requests']}, "
+          f"TTFT p50 {row['ttft_p50_s']:.3f} s, TPOT p50 {row['tpot_p50_s']:.4f} s",
+          file=sys.stderr)  # fmt: skip
+    return row
 
 
 def plot(rows: list[dict], mode: str, path: Path) -> None:
@@ -137,16 +232,33 @@ def main() -> None:
     parser.add_argument("--model", default="small", help="the served model (and its tokenizer)")
     parser.add_argument("--tokenizer", help="tokenizer dir (default: the preset's checkpoint)")
     parser.add_argument("--mode", choices=["open", "closed"], default="open")
+    parser.add_argument(
+        "--tool",
+        choices=["openloop", "guidellm"],
+        default="openloop",
+        help="load side: bench/openloop.py's seeded Poisson arrivals (open mode), or guidellm",
+    )
     parser.add_argument("--loads", default="0.5,1,2", help="rates (open) or streams (closed)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--stdev", type=int, default=0, help="of both lengths (normal)")
     parser.add_argument("--prefix-tokens", type=int, default=0, help="shared by every prompt")
-    parser.add_argument("--requests", type=int, default=100, help="per load")
+    parser.add_argument("--requests", type=int, default=100, help="per load (at least)")
+    parser.add_argument("--duration", type=float, help="openloop: more requests to fill it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tpot", type=float, default=0.2)
     parser.add_argument("--plan", help="PREFILL,DECODE ranks: add the plan's prediction")
+    parser.add_argument(
+        "--capacity-fractions", help="with --plan: loads as these shares of the plan's capacity"
+    )
+    parser.add_argument(
+        "--other-busy",
+        type=float,
+        default=0.0,
+        help="with --plan: threads besides the ranks that keep a core busy (router, load)",
+    )
+    parser.add_argument("--server-pid", type=int, help="epcluster serve's pid: CPU accounting")
     parser.add_argument("--name", default="goodput")
     parser.add_argument("--plot", action="store_true", help=f"also {RESULTS}/<name>.png")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -159,21 +271,30 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for load in (float(x) for x in args.loads.split(",")):
-            out = Path(tmp) / f"{load}.json"
-            # guidellm's progress and tables go to stderr: stdout stays this script's
-            subprocess.run(
-                guidellm_command(args, load, out, tokenizer), check=True, stdout=sys.stderr
-            )
-            row = {
-                "load": load,
-                **summarise(json.loads(out.read_text()), args.slo_ttft, args.slo_tpot),
-            }
+        loads = [float(x) for x in args.loads.split(",")]
+        if args.capacity_fractions:
+            # the loads as shares of the plan's predicted capacity of this deployment
+            cap = capacity(args)
+            print(f"plan: capacity {cap:.3f} req/s", file=sys.stderr)
+            loads = [round(cap * float(f), 3) for f in args.capacity_fractions.split(",")]
+        for load in loads:
+            if args.tool == "openloop":
+                row = {"load": load, **measure_openloop(args, load)}
+            else:
+                out = Path(tmp) / f"{load}.json"
+                # guidellm's progress and tables go to stderr: stdout stays this script's
+                subprocess.run(
+                    guidellm_command(args, load, out, tokenizer), check=True, stdout=sys.stderr
+                )
+                report = json.loads(out.read_text())
+                row = {"load": load, **summarise(report, args.slo_ttft, args.slo_tpot)}
             if args.plan and args.mode == "open":
-                row["plan"] = predict(args, load)
+                # NOTE: the prediction is for the rate that was delivered, not the one offered
+                rate = row.get("delivered_rps") or row["throughput_rps"]
+                row["plan"] = predict(args, rate, row["requests"] + row["failed"])
             rows.append(row)
     result = {"mode": args.mode, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot,
-              "tool": "guidellm", "loads": rows}  # fmt: skip
+              "tool": args.tool, "loads": rows}  # fmt: skip
     path = record(args.name, result)
     if args.plot:
         plot(rows, args.mode, RESULTS / f"{args.name}.png")
