@@ -127,7 +127,11 @@ def _local(args: argparse.Namespace):  # -> (PlanModel, Workload at rate 1, Loca
     hit = args.prefix_tokens / (args.prefix_tokens + args.prompt_tokens)
     prompt = args.prompt_tokens + args.prefix_tokens
     work = Workload("bench", 1.0, prompt, args.output_tokens, hit)
-    return load_model(args.model), work, LocalCluster(prefill, decode, other_busy=args.other_busy)
+    cluster = LocalCluster(
+        prefill, decode, background_busy=args.background_busy, cpu_s_per_token=args.cpu_per_token,
+        request_latency_s=args.request_latency or 0.0,
+    )  # fmt: skip
+    return load_model(args.model), work, cluster
 
 
 def level_requests(args: argparse.Namespace, load: float) -> int:
@@ -143,6 +147,26 @@ def predict(args: argparse.Namespace, load: float, requests: int) -> dict:
 
     model, work, cluster = _local(args)
     return predict_local(model, work.scaled(load), cluster, args.slo_ttft, args.slo_tpot, requests)
+
+
+def request_latency(args: argparse.Namespace, tries: int = 10) -> float:
+    """The router's own part of a TTFT, on the idle cluster: the median TTFT of one-token prompts
+    sent one at a time, less the plan's prefill step of one token (what the ranks compute)."""
+    import asyncio
+
+    from bench.openloop import OpenLoop, run
+    from cluster.plan.local import LocalCluster
+
+    cfg = OpenLoop(args.target, args.model, 1.0, 1, 1, 0, 2, 1000, args.seed)
+    ttfts = []
+    for _ in range(tries):
+        ttfts += [r.first_s - r.sent_s for r in asyncio.run(run(cfg))]
+    model, _, cluster = _local(args)
+    prefill = LocalCluster(cluster.prefill_ranks, cluster.decode_ranks).costs(
+        model, cluster.prefill_ranks + cluster.background_busy
+    )
+    step = prefill.prefill_s(cluster.prefill_ranks, 1, 1, 0.0)
+    return max(0.0, statistics.median(ttfts) - step)
 
 
 def capacity(args: argparse.Namespace) -> float:
@@ -224,6 +248,25 @@ def plot(rows: list[dict], mode: str, path: Path) -> None:
     fig.savefig(path)
 
 
+def replan(args: argparse.Namespace) -> None:
+    """The plan's predictions beside an earlier measurement, at the rates it delivered."""
+    old = json.loads(Path(args.replan).read_text())
+    if args.request_latency is None:  # the one measured with the loads
+        args.request_latency = old.get("plan_inputs", {}).get("request_latency_s")
+    for row in old["loads"]:
+        rate = row.get("delivered_rps") or row["throughput_rps"]
+        row["plan"] = predict(args, rate, row["requests"] + row["failed"])
+    keep = ("command", "date", "commit", "load_average")
+    measured = {k: old[k] for k in keep if k in old}
+    result = {k: v for k, v in old.items() if k not in (*keep, "machine", "cpu", "cpu_flags",
+              "cores", "measured")} | {"measured": old.get("measured", measured)}  # fmt: skip
+    name = Path(args.replan).stem
+    Path(args.replan).unlink()  # NOTE: replaced on purpose (git keeps the measured one)
+    print(f"recorded {record(name, result)}")
+    if args.plot:
+        plot(result["loads"], result["mode"], RESULTS / f"{name}.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -253,16 +296,36 @@ def main() -> None:
         "--capacity-fractions", help="with --plan: loads as these shares of the plan's capacity"
     )
     parser.add_argument(
-        "--other-busy",
+        "--background-busy",
         type=float,
         default=0.0,
-        help="with --plan: threads besides the ranks that keep a core busy (router, load)",
+        help="with --plan: cores busy besides the ranks whatever the load (Ray's daemons)",
+    )
+    parser.add_argument(
+        "--cpu-per-token",
+        type=float,
+        default=0.0,
+        help="with --plan: router + load generator CPU seconds per output token",
+    )
+    parser.add_argument(
+        "--request-latency",
+        type=float,
+        help="with --plan: the router's part of a TTFT (default: measured first, idle cluster)",
     )
     parser.add_argument("--server-pid", type=int, help="epcluster serve's pid: CPU accounting")
     parser.add_argument("--name", default="goodput")
     parser.add_argument("--plot", action="store_true", help=f"also {RESULTS}/<name>.png")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--replan",
+        metavar="RESULT",
+        help="recompute --plan's column of a recorded result "
+        "(its measurements kept, at their delivered rates) instead of measuring",
+    )
     args = parser.parse_args()
+    if args.replan:
+        replan(args)
+        return
     tokenizer = args.tokenizer
     if tokenizer is None:
         from moe.presets import ensure_preset
@@ -272,9 +335,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         loads = [float(x) for x in args.loads.split(",")]
+        if args.plan and args.request_latency is None and args.tool == "openloop":
+            args.request_latency = request_latency(args)
+            print(f"router request latency {args.request_latency:.4f} s", file=sys.stderr)
         if args.capacity_fractions:
             # the loads as shares of the plan's predicted capacity of this deployment
-            cap = capacity(args)
+            cap = args.capacity_rps = capacity(args)
             print(f"plan: capacity {cap:.3f} req/s", file=sys.stderr)
             loads = [round(cap * float(f), 3) for f in args.capacity_fractions.split(",")]
         for load in loads:
@@ -295,6 +361,16 @@ def main() -> None:
             rows.append(row)
     result = {"mode": args.mode, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot,
               "tool": args.tool, "loads": rows}  # fmt: skip
+    if args.plan:
+        from cluster.plan.probe import probe
+
+        result["plan_inputs"] = {
+            "capacity_rps": getattr(args, "capacity_rps", None),
+            "request_latency_s": args.request_latency,
+            "background_busy": args.background_busy,
+            "cpu_s_per_token": args.cpu_per_token,
+            "probe": probe(),
+        }
     path = record(args.name, result)
     if args.plot:
         plot(rows, args.mode, RESULTS / f"{args.name}.png")

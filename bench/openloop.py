@@ -31,8 +31,8 @@ class OpenLoop:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.rate <= 0 or self.requests < 2 or self.output_tokens < 2:
-            raise ValueError("rate > 0, requests >= 2 and output_tokens >= 2")
+        if self.rate <= 0 or self.requests < 1 or self.output_tokens < 2:
+            raise ValueError("rate > 0, requests >= 1 and output_tokens >= 2")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,14 +6,14 @@ A fixed point: time the decode pool's steps as one of D + P x u_p + other busy t
 the prefill pool's busy fraction) and the prefill pool's as one of P + D x u_d + other (u_d: the
 decode pool's), simulate, take the busy fractions the simulation reports, and again, a few
 rounds (it settles in two or three: a busier pool slows the other, which then is busier).
-`other`: threads besides the ranks that take a core while the cluster serves (the router and
-the load generator), an input the caller states.
+`other`: the cores kept busy besides the ranks: Ray's daemons (a constant) and the router and
+the load generator, which spend CPU per output token they stream (measured constants the caller
+states: bench/goodput.py's CPU accounting of a run outside the compared ones).
 """
 
 import statistics
 from dataclasses import dataclass
 
-from cluster.plan.cost import StepCost
 from cluster.plan.models import PlanModel
 from cluster.plan.planner import ModelCosts, predict_fixed
 from cluster.plan.probe import cpu_hardware
@@ -31,11 +31,21 @@ class LocalCluster:
     prefill_ranks: int
     decode_ranks: int
     kv_cache_bytes: float = 256 * 2**20  # EngineConfig.kv_cache_bytes
-    other_busy: float = 0.0  # threads besides the ranks that keep a core busy
+    background_busy: float = 0.0  # cores busy whatever the load (Ray's daemons)
+    cpu_s_per_token: float = 0.0  # router + load generator CPU seconds per output token
+    # the router's own part of a TTFT (HTTP, the decode reservation and the prefill call as Ray
+    # actor calls, the first delta back), measured on the idle cluster: added to TTFT and e2e
+    request_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.prefill_ranks, self.decode_ranks) < 1 or self.other_busy < 0:
-            raise ValueError("prefill_ranks, decode_ranks >= 1 and other_busy >= 0")
+        if min(self.prefill_ranks, self.decode_ranks) < 1:
+            raise ValueError("prefill_ranks, decode_ranks >= 1")
+        if min(self.background_busy, self.cpu_s_per_token, self.request_latency_s) < 0:
+            raise ValueError("background_busy, cpu_s_per_token, request_latency_s must be >= 0")
+
+    def other_busy(self, output_tokens_per_s: float) -> float:
+        """Cores busy besides the ranks at this output rate."""
+        return self.background_busy + self.cpu_s_per_token * output_tokens_per_s
 
     def costs(self, model: PlanModel, busy_threads: float) -> ModelCosts:
         hw = cpu_hardware(busy_threads=max(1.0, busy_threads))
@@ -57,7 +67,8 @@ def predict_local(
     """What a benchmark of `requests` Poisson arrivals at `work.rate`, from an empty cluster,
     should see: medians and p90s pooled over `replicas` seeded runs, throughput and goodput, the
     mean steps, and the busy fractions and threads of the last round."""
-    p, d, other = cluster.prefill_ranks, cluster.decode_ranks, cluster.other_busy
+    p, d = cluster.prefill_ranks, cluster.decode_ranks
+    other = cluster.other_busy(work.rate * work.output_mean)
     u_p = u_d = 1.0  # start from everything busy: the fixed point is approached from above
     for _ in range(rounds):
         busy_p, busy_d = p + d * u_d + other, d + p * u_p + other
@@ -71,12 +82,15 @@ def predict_local(
         ]  # fmt: skip
         u_p = statistics.fmean(x.sim.prefill_busy for x in plans)
         u_d = statistics.fmean(x.sim.decode_busy for x in plans)
-    ttft = [t for x in plans for t in x.sim.ttft_s]
+    extra = cluster.request_latency_s
+    ttft = [None if t is None else t + extra for x in plans for t in x.sim.ttft_s]
     tpot = [t for x in plans for t in x.sim.tpot_s]
-    e2e = [t for x in plans for t in x.sim.e2e_s]
-    good = statistics.fmean(goodput_fraction(x.sim, slo_ttft, slo_tpot) for x in plans)
-    # a run's throughput: its requests over the time from the first arrival to the last token
-    throughput = statistics.fmean(requests / x.sim.simulated_s for x in plans)
+    e2e = [None if t is None else t + extra for x in plans for t in x.sim.e2e_s]
+    good = statistics.fmean(goodput_fraction(x.sim, slo_ttft - extra, slo_tpot) for x in plans)
+    # a run's throughput as the benchmark counts it: its requests over the time from the
+    # first arrival to the last token, about (n - 1) / rate + a request's e2e
+    e2e_mean = statistics.fmean(t for t in e2e if t is not None)
+    throughput = requests / ((requests - 1) / work.rate + e2e_mean)
     return {
         "rate_rps": work.rate,
         "throughput_rps": throughput,
@@ -95,12 +109,15 @@ def predict_local(
 def capacity_rps(model: PlanModel, work: Workload, cluster: LocalCluster) -> float:
     """Requests/s the cluster carries with both pools saturated (every rank busy): the lesser
     of the prefill pool's (full chunks of the workload's prompts) and the decode pool's (full
-    batches at the mean context)."""
+    batches at the mean context), the router's share taken at that rate (a fixed point)."""
     p, d = cluster.prefill_ranks, cluster.decode_ranks
-    costs = cluster.costs(model, p + d + cluster.other_busy)
     new = work.prompt_mean * (1 - work.prefix_hit)
     seqs = max(1, int(CHUNK // new))
-    prefill: StepCost = costs.prefill_cost(p, int(seqs * new), seqs, work.prompt_mean - new)
-    decode = costs.decode_cost(d, BATCH, work.prompt_mean + work.output_mean / 2)
-    per_request_decode = max(work.output_mean - 1, 1)
-    return min(p * seqs / prefill.time_s, d * BATCH / decode.time_s / per_request_decode)
+    rate = 0.0
+    for _ in range(8):
+        costs = cluster.costs(model, p + d + cluster.other_busy(rate * work.output_mean))
+        prefill = costs.prefill_cost(p, int(seqs * new), seqs, work.prompt_mean - new)
+        decode = costs.decode_cost(d, BATCH, work.prompt_mean + work.output_mean / 2)
+        per_request = max(work.output_mean - 1, 1)
+        rate = min(p * seqs / prefill.time_s, d * BATCH / decode.time_s / per_request)
+    return rate

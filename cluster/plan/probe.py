@@ -1,10 +1,11 @@
 """This machine, measured: read bandwidth (a sum over 256 MiB of fp32) and the fp32 peak (a
 1536^3 matmul), each with all threads and with one (a rank's torch_threads), and the all-to-all
 bandwidth and the latency of one small exchange between 2 local processes over gloo (what the
-CPU cluster's EP pools use), in a few seconds, cached in <cache>/probe.json (EPCLUSTER_CACHE,
-else ~/.cache/epcluster). The numbers are what kernels reach, so the CPU entry's efficiency is 1.
-bench/cpu_overheads.py adds the engine's measured per-step and per-sequence overheads to the
-same file (what a rank's step costs beyond the roofline of these numbers).
+CPU cluster's EP pools use), alone and with every core taken by other threads, in a few
+seconds, cached in <cache>/probe.json (EPCLUSTER_CACHE, else ~/.cache/epcluster). The numbers
+are what kernels reach, so the CPU entry's efficiency is 1. bench/cpu_overheads.py adds the
+engine's measured per-step and per-sequence overheads to the same file (what a rank's step
+costs beyond the roofline of these numbers).
 
 A rank on a shared machine (`cpu_hardware(busy_threads=n)`): n threads want the C cores, so one
 thread runs C / n of the time when n > C, and the n share the memory bandwidth:
@@ -24,6 +25,7 @@ from cluster.plan.hardware import CATALOG, Efficiency, Hardware
 
 ALL_TO_ALL_BYTES = 16 * 2**20  # per rank per exchange
 SMALL_EXCHANGE_BYTES = 4096  # per rank: a decode step's few rows of one MoE layer
+EXCHANGES = 300
 
 
 def cache_file() -> Path:
@@ -61,22 +63,31 @@ def _all_to_all_worker(rank: int, port: int, out: str) -> None:
     y = torch.empty_like(x)
     seconds = _best(lambda: dist.all_to_all_single(y, x))
     a, b = torch.ones(SMALL_EXCHANGE_BYTES // 4), torch.empty(SMALL_EXCHANGE_BYTES // 4)
-    # the median of many small exchanges: a round trip's cost, what decode pays per exchange
-    times = []
-    for _ in range(200):
+    c = torch.randn(256, 256)
+    # small exchanges between bits of work (a decode layer's pattern): the mean wait is what a
+    # step pays per exchange, a partner descheduled by busier cores included
+    waited = 0.0
+    for _ in range(EXCHANGES):
+        c @ c
         start = time.perf_counter()
         dist.all_to_all_single(b, a)
-        times.append(time.perf_counter() - start)
+        waited += time.perf_counter() - start
     if rank == 0:
         # half of each rank's buffer crosses to the other process
-        result = [ALL_TO_ALL_BYTES / 2 / seconds, sorted(times)[len(times) // 2]]
-        Path(out).write_text(json.dumps(result))
+        Path(out).write_text(json.dumps([ALL_TO_ALL_BYTES / 2 / seconds, waited / EXCHANGES]))
     dist.destroy_process_group()
 
 
-def all_to_all() -> tuple[float, float]:
-    """(bytes/s one rank sends to the other in a gloo all_to_all_single on this machine, seconds
-    of one small exchange)."""
+def _spin(stop: "mp.synchronize.Event") -> None:  # noqa: F821 (a string: no import here)
+    torch.set_num_threads(1)
+    x = torch.randn(512, 512)
+    while not stop.is_set():
+        x @ x
+
+
+def all_to_all(spinners: int = 0) -> tuple[float, float]:
+    """(bytes/s one rank sends to the other in a gloo all_to_all_single on this machine, mean
+    seconds of one small exchange), while `spinners` other single-threaded processes compute."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -84,11 +95,21 @@ def all_to_all() -> tuple[float, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "bw.json")
-        mp.spawn(_all_to_all_worker, args=(port, out), nprocs=2, join=True)
-        bw, latency = json.loads(Path(out).read_text())
-        return float(bw), float(latency)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    spin = [ctx.Process(target=_spin, args=(stop,)) for _ in range(spinners)]
+    for proc in spin:
+        proc.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "bw.json")
+            mp.spawn(_all_to_all_worker, args=(port, out), nprocs=2, join=True)
+            bw, latency = json.loads(Path(out).read_text())
+    finally:
+        stop.set()
+        for proc in spin:
+            proc.join()
+    return float(bw), float(latency)
 
 
 def measure() -> dict[str, float]:
@@ -101,11 +122,15 @@ def measure() -> dict[str, float]:
     finally:
         torch.set_num_threads(threads)
     bw, latency = all_to_all()
+    cores = os.cpu_count() or 1
+    # the same with every core taken by 2 more threads: ranks then wait for a descheduled partner
+    _, busy_latency = all_to_all(spinners=cores)
     return result | {
         "all_to_all_bw": bw,
         "exchange_latency_s": latency,
+        "exchange_latency_busy_s": busy_latency,  # 2 + cores threads busy
         "threads": threads,
-        "cores": os.cpu_count() or 1,
+        "cores": cores,
         "date": time.time(),
     }
 
@@ -144,6 +169,7 @@ def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Ha
     m = probe(refresh)
     bw, flops, memory = m["read_bw"], m["fp32_flops"], float(psutil.virtual_memory().total)
     what = f"{int(m['threads'])} threads"
+    latency = m.get("exchange_latency_s", 0.0)
     if busy_threads is not None:
         if busy_threads < 1:
             raise ValueError(f"busy_threads must be >= 1 (got {busy_threads})")
@@ -152,6 +178,9 @@ def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Ha
         flops = _shared(m["fp32_flops_1t"], flops, cores, busy_threads)
         memory /= max(1.0, busy_threads)
         what = f"one thread of {busy_threads:.2f} busy on {cores:.0f} cores"
+        # measured with 2 busy threads and with 2 + cores: linear in the threads beyond 2
+        busy = m.get("exchange_latency_busy_s", latency)
+        latency = max(latency, latency + (busy - latency) * (busy_threads - 2) / cores)
     return Hardware(
         name="cpu",
         memory_bytes=memory,
@@ -164,7 +193,7 @@ def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Ha
         efficiency=Efficiency(1.0, 1.0, 1.0),
         step_overhead_s=m.get("step_overhead_s"),
         sequence_overhead_s=m.get("sequence_overhead_s", 0.0),
-        exchange_latency_s=m.get("exchange_latency_s", 0.0),
+        exchange_latency_s=latency,
     )
 
 

@@ -9,7 +9,8 @@ from cluster.plan.probe import cpu_hardware, get_hardware
 
 MEASURED = {
     "read_bw": 4e10, "fp32_flops": 2e11, "read_bw_1t": 3e10, "fp32_flops_1t": 1.2e11,
-    "all_to_all_bw": 2e9, "exchange_latency_s": 1e-4, "threads": 2, "cores": 2,
+    "all_to_all_bw": 2e9, "exchange_latency_s": 1e-4, "exchange_latency_busy_s": 5e-4,
+    "threads": 2, "cores": 2,
     "step_overhead_s": 2e-3, "sequence_overhead_s": 1e-4,
 }  # fmt: skip
 
@@ -42,3 +43,9 @@ def test_a_rank_shares_cores_and_bandwidth(cache, busy, bw, flops):
     hw = cpu_hardware(busy_threads=busy)
     assert hw.read_bw == pytest.approx(bw)
     assert hw.peak("fp32") == pytest.approx(flops)
+
+
+@pytest.mark.parametrize("busy, latency", [(1.0, 1e-4), (2.0, 1e-4), (3.0, 3e-4), (4.0, 5e-4)])
+def test_exchange_latency_grows_with_the_threads_beyond_two(cache, busy, latency):
+    """Measured alone (2 threads busy) and with 2 + cores busy; linear between, hand-computed."""
+    assert cpu_hardware(busy_threads=busy).exchange_latency_s == pytest.approx(latency)
