@@ -248,6 +248,37 @@ def plot(rows: list[dict], mode: str, path: Path) -> None:
     fig.savefig(path)
 
 
+COMPARED = (  # (label, measured key, plan key, format)
+    ("throughput req/s", "throughput_rps", "throughput_rps", "{:.3f}"),
+    ("TTFT p50 s", "ttft_p50_s", "ttft_s", "{:.3f}"),
+    ("TPOT p50 ms", "tpot_p50_s", "tpot_s", "{:.1f}"),
+)
+
+
+def table_md(result: dict) -> str:
+    """The measurement beside the plan's prediction per load, with the relative error
+    (plan / measured - 1), as markdown; a cell is within 20% or not."""
+    head = "| offered req/s | delivered req/s |" + "".join(
+        f" {label} measured | plan | error |" for label, *_ in COMPARED
+    )
+    lines = [head, "|" + "---:|" * (2 + 3 * len(COMPARED))]
+    for row in result["loads"]:
+        plan = row.get("plan", {})
+        cells = [f"{row['load']:.3f}", f"{row.get('delivered_rps', float('nan')):.3f}"]
+        for label, m_key, p_key, fmt in COMPARED:
+            scale = 1e3 if "ms" in label else 1.0
+            m, p = row[m_key], plan.get(p_key)
+            err = "" if p is None else f"{p / m - 1:+.0%}" + ("" if abs(p / m - 1) <= 0.2 else " ✗")
+            pred = "" if p is None else fmt.format(p * scale)
+            cells += [fmt.format(m * scale), pred, err]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\n`{result['command']}`\n"
+
+
+def write_md(name: str, path: Path) -> None:
+    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n" + table_md(json.loads(path.read_text())))
+
+
 def replan(args: argparse.Namespace) -> None:
     """The plan's predictions beside an earlier measurement, at the rates it delivered."""
     old = json.loads(Path(args.replan).read_text())
@@ -262,7 +293,9 @@ def replan(args: argparse.Namespace) -> None:
               "cores", "measured")} | {"measured": old.get("measured", measured)}  # fmt: skip
     name = Path(args.replan).stem
     Path(args.replan).unlink()  # NOTE: replaced on purpose (git keeps the measured one)
-    print(f"recorded {record(name, result)}")
+    path = record(name, result)
+    write_md(name, path)
+    print(f"recorded {path}")
     if args.plot:
         plot(result["loads"], result["mode"], RESULTS / f"{name}.png")
 
@@ -372,6 +405,8 @@ def main() -> None:
             "probe": probe(),
         }
     path = record(args.name, result)
+    if args.plan:
+        write_md(args.name, path)
     if args.plot:
         plot(rows, args.mode, RESULTS / f"{args.name}.png")
     print(json.dumps(result, indent=1) if args.json else f"recorded {path}")
