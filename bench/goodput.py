@@ -1,17 +1,22 @@
-"""Goodput of a running cluster over its OpenAI HTTP API, with guidellm (vLLM project's load tool,
-`pip install -e '.[load]'`) generating the load: open loop (Poisson arrivals at each rate) or
-closed loop (N concurrent streams), synthetic prompts of the given lengths (normal spread) with
-a shared prefix, seeded, with guidellm's progress bar. This script only wraps it: per load it
-reads guidellm's per-request records and reports TTFT / TPOT (inter-token latency) / e2e
-percentiles, throughput and goodput (requests/s that met both SLOs), writes
-bench/results/<name>.json (with the command) and a plot; `--plan` sets the prediction of
-`epcluster plan` for the same deployment beside each load (cluster/plan/planner.py, predict).
+"""Goodput of a running cluster over its OpenAI HTTP API. The load: open loop, seeded Poisson
+arrivals sent at their times whatever the cluster does (bench/openloop.py, the default: it
+reports the rate it delivered and how late its sends were), or guidellm (the vLLM project's
+load tool, `pip install -e '.[load]'`, `--tool guidellm`; closed loop, N concurrent streams,
+always uses it), synthetic prompts of the given lengths with a shared prefix. Per load it
+reports TTFT / TPOT (inter-token latency) / e2e percentiles, throughput and goodput (requests/s
+that met both SLOs) and the cores the router, the ranks, Ray and the load generator kept busy
+(`--server-pid`), writes bench/results/<name>.json (with the command), <name>.md and a plot.
+`--plan P,D` sets beside each load the plan's prediction for the same local deployment at the
+DELIVERED rate (cluster/plan/local.py); `--capacity-fractions` picks the loads as shares of the
+plan's predicted capacity; `--replan RESULT` recomputes that column of a recorded measurement.
 
-The calibration of issue 27 (a cluster of 2 prefill + 2 decode ranks of `small`, then 1 + 1):
-    .venv/bin/epcluster serve --model small --prefill-ranks 2 --decode-ranks 2 --http-port 8000 &
-    .venv/bin/python -m bench.goodput --model small --mode open --loads 0.5,1,2 \
-        --prompt-tokens 128 --output-tokens 128 --prefix-tokens 32 --requests 100 \
-        --slo-ttft 2 --slo-tpot 0.2 --plan 2,2 --name goodput_small_2p2d --plot
+The calibration of issue 27 (docs/planning.md; 2 prefill + 2 decode ranks of `small`, then 1 + 1):
+    .venv/bin/epcluster serve --model small --prefill-ranks 2 --decode-ranks 2 --http-port 8130 &
+    .venv/bin/python -m bench.cpu_overheads   # the probe and the engine's overheads, first
+    .venv/bin/python -m bench.goodput --target http://127.0.0.1:8130 --model small \
+        --prompt-tokens 128 --output-tokens 128 --prefix-tokens 32 --requests 30 --duration 60 \
+        --slo-ttft 2 --slo-tpot 0.2 --capacity-fractions 0.3,0.6,0.9 --background-busy 0.17 \
+        --cpu-per-token 5e-5 --plan 2,2 --server-pid $SERVE_PID --name goodput_small_2p2d --plot
 No hub is reached: the tokenizer is the checkpoint's own (HF_HUB_OFFLINE=1).
 """
 
@@ -377,7 +382,7 @@ def main() -> None:
             print(f"plan: capacity {cap:.3f} req/s", file=sys.stderr)
             loads = [round(cap * float(f), 3) for f in args.capacity_fractions.split(",")]
         for load in loads:
-            if args.tool == "openloop":
+            if args.tool == "openloop" and args.mode == "open":
                 row = {"load": load, **measure_openloop(args, load)}
             else:
                 out = Path(tmp) / f"{load}.json"
