@@ -14,6 +14,7 @@ states: bench/goodput.py's CPU accounting of a run outside the compared ones).
 import statistics
 from dataclasses import dataclass
 
+from cluster.plan.cost import StepCost
 from cluster.plan.models import PlanModel
 from cluster.plan.planner import ModelCosts, predict_fixed
 from cluster.plan.probe import cpu_hardware
@@ -70,8 +71,9 @@ def predict_local(
     p, d = cluster.prefill_ranks, cluster.decode_ranks
     other = cluster.other_busy(work.rate * work.output_mean)
     u_p = u_d = 1.0  # start from everything busy: the fixed point is approached from above
+    c_p = c_d = 1.0  # the share of a step a rank's thread computes (not waiting in an exchange)
     for _ in range(rounds):
-        busy_p, busy_d = p + d * u_d + other, d + p * u_p + other
+        busy_p, busy_d = p + d * u_d * c_d + other, d + p * u_p * c_p + other
         costs_p, costs_d = cluster.costs(model, busy_p), cluster.costs(model, busy_d)
         plans = [
             predict_fixed(
@@ -82,6 +84,8 @@ def predict_local(
         ]  # fmt: skip
         u_p = statistics.fmean(x.sim.prefill_busy for x in plans)
         u_d = statistics.fmean(x.sim.decode_busy for x in plans)
+        c_p = _computing(model, costs_p, p, plans[0].prefill_step)
+        c_d = _computing(model, costs_d, d, plans[0].decode_step)
     extra = cluster.request_latency_s
     ttft = [None if t is None else t + extra for x in plans for t in x.sim.ttft_s]
     tpot = [t for x in plans for t in x.sim.tpot_s]
@@ -102,8 +106,18 @@ def predict_local(
         "prefill_step_s": plans[0].prefill_step.time_s,
         "decode_step_s": plans[0].decode_step.time_s,
         "prefill_busy": u_p, "decode_busy": u_d,
+        "prefill_computing": c_p, "decode_computing": c_d,
         "prefill_busy_threads": busy_p, "decode_busy_threads": busy_d,
     }  # fmt: skip
+
+
+def _computing(model: PlanModel, costs: ModelCosts, ranks: int, step: StepCost) -> float:
+    """The share of a step its rank's thread computes: a thread blocked in an exchange (waiting
+    for its partner's rows) leaves its core to others."""
+    if ranks == 1:
+        return 1.0
+    waiting = 2 * model.num_moe_layers * costs.hw.exchange_latency_s
+    return max(0.0, 1.0 - waiting / step.time_s)
 
 
 def capacity_rps(model: PlanModel, work: Workload, cluster: LocalCluster) -> float:
@@ -113,11 +127,13 @@ def capacity_rps(model: PlanModel, work: Workload, cluster: LocalCluster) -> flo
     p, d = cluster.prefill_ranks, cluster.decode_ranks
     new = work.prompt_mean * (1 - work.prefix_hit)
     seqs = max(1, int(CHUNK // new))
-    rate = 0.0
+    rate, c_p, c_d = 0.0, 1.0, 1.0
     for _ in range(8):
-        costs = cluster.costs(model, p + d + cluster.other_busy(rate * work.output_mean))
+        other = cluster.other_busy(rate * work.output_mean)
+        costs = cluster.costs(model, p * c_p + d * c_d + other)
         prefill = costs.prefill_cost(p, int(seqs * new), seqs, work.prompt_mean - new)
         decode = costs.decode_cost(d, BATCH, work.prompt_mean + work.output_mean / 2)
+        c_p, c_d = _computing(model, costs, p, prefill), _computing(model, costs, d, decode)
         per_request = max(work.output_mean - 1, 1)
         rate = min(p * seqs / prefill.time_s, d * BATCH / decode.time_s / per_request)
     return rate

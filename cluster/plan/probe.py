@@ -1,5 +1,6 @@
 """This machine, measured: read bandwidth (a sum over 256 MiB of fp32) and the fp32 peak (a
-1536^3 matmul), each with all threads and with one (a rank's torch_threads), and the all-to-all
+1536^3 matmul), of one single-threaded process (a rank's torch_threads) and summed over one
+such process per core measuring at once (the machine's total for such ranks), and the all-to-all
 bandwidth and the latency of one small exchange between 2 local processes over gloo (what the
 CPU cluster's EP pools use), alone and with every core taken by other threads, in a few
 seconds, cached in <cache>/probe.json (EPCLUSTER_CACHE, else ~/.cache/epcluster). The numbers
@@ -112,17 +113,38 @@ def all_to_all(spinners: int = 0) -> tuple[float, float]:
     return float(bw), float(latency)
 
 
+def _single_thread_worker(barrier: object, queue: object) -> None:
+    torch.set_num_threads(1)
+    barrier.wait()  # type: ignore[attr-defined]
+    bw = read_bandwidth(10)
+    barrier.wait()  # type: ignore[attr-defined]
+    queue.put((bw, fp32_peak(repeats=6)))  # type: ignore[attr-defined]
+
+
+def single_thread_processes(n: int) -> tuple[float, float]:
+    """(read bandwidth, fp32 FLOP/s) summed over `n` single-threaded processes measuring at
+    once: what n single-threaded ranks get together (independent processes, as the cluster's
+    ranks are, not one process's threads, whose matmul waits for its slowest thread)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_single_thread_worker, args=(barrier, queue)) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return sum(r[0] for r in results), sum(r[1] for r in results)
+
+
 def measure() -> dict[str, float]:
     threads = torch.get_num_threads()
-    result: dict[str, float] = {"read_bw": read_bandwidth(), "fp32_flops": fp32_peak()}
-    torch.set_num_threads(1)
-    try:
-        # more tries: one thread is what a neighbour's burst slows most
-        result |= {"read_bw_1t": read_bandwidth(10), "fp32_flops_1t": fp32_peak(repeats=6)}
-    finally:
-        torch.set_num_threads(threads)
-    bw, latency = all_to_all()
     cores = os.cpu_count() or 1
+    bw_1t, flops_1t = single_thread_processes(1)
+    bw, flops = single_thread_processes(cores)
+    result = {"read_bw": bw, "fp32_flops": flops, "read_bw_1t": bw_1t, "fp32_flops_1t": flops_1t}
+    bw, latency = all_to_all()
     # the same with every core taken by 2 more threads: ranks then wait for a descheduled partner
     _, busy_latency = all_to_all(spinners=cores)
     return result | {
