@@ -8,7 +8,8 @@ that communication hides behind computation: step = compute + comm - min(comm, c
 A fixed per-step overhead (launch, scheduling, the step's agreement) is added; on a CPU also a
 per-sequence overhead (the engine's Python bookkeeping and sampling per request, measured) and
 a fixed latency per exchange of each MoE layer's dispatch and combine (gloo's round trip between
-processes, measured: at decode's few rows it, not the bandwidth, is the all-to-all's cost).
+processes, measured: at decode's few rows it, not the bandwidth, is the all-to-all's cost; the
+cluster's dispatcher makes three a layer, exchanges_per_step).
 
 Ranks of a pool step in lockstep with equal batches (the router balances them; attention is data
 parallel), so one rank's step is the pool's step; the EPLB imbalance (max / mean tokens per rank
@@ -168,15 +169,22 @@ def step_cost(
     comm = moe_layers * all_to_all_s(model, hw, unit, tokens, dedup_nodes)
     overlap = unit.two_batch_overlap and tokens >= 2
     phases = {"attention": attn, "dense_mlp": dense, "experts": moe, "lm_head": head}
-    # Step 3: what the roofline does not see: per step, per sequence, per exchange (a dispatch
-    # and a combine per MoE layer, each a round trip that two-batch overlap cannot hide)
-    exchanges = 2 * moe_layers if unit.ranks > 1 else 0
+    # Step 3: what the roofline does not see: per step, per sequence, per exchange (round trips
+    # that two-batch overlap cannot hide)
+    exchanges = exchanges_per_step(model, unit.ranks)
     overhead = (
         unit.step_overhead_s
         + unit.sequence_overhead_s * max(head_rows, 1)
         + unit.exchange_latency_s * exchanges
     )
     return StepCost(tokens, phases, comm, overhead, overlap)
+
+
+def exchanges_per_step(model: PlanModel, ranks: int) -> int:
+    """Collective round trips of one step of an EP pool, as moe/dispatch.py's AllToAllDispatcher
+    runs them: per MoE layer the split sizes, the rows and the combine (3), and the step's
+    agreement among the ranks (one all_reduce, engine/llm_engine.py); none without EP."""
+    return 3 * model.num_moe_layers + 1 if ranks > 1 else 0
 
 
 def all_to_all_s(model: PlanModel, hw: Hardware, unit: Unit, tokens: int, dedup: bool) -> float:

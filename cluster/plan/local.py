@@ -14,7 +14,7 @@ states: bench/goodput.py's CPU accounting of a run outside the compared ones).
 import statistics
 from dataclasses import dataclass
 
-from cluster.plan.cost import StepCost
+from cluster.plan.cost import StepCost, exchanges_per_step
 from cluster.plan.models import PlanModel
 from cluster.plan.planner import ModelCosts, predict_fixed
 from cluster.plan.probe import cpu_hardware
@@ -116,7 +116,7 @@ def _computing(model: PlanModel, costs: ModelCosts, ranks: int, step: StepCost) 
     for its partner's rows) leaves its core to others."""
     if ranks == 1:
         return 1.0
-    waiting = 2 * model.num_moe_layers * costs.hw.exchange_latency_s
+    waiting = exchanges_per_step(model, ranks) * costs.hw.exchange_latency_s
     return max(0.0, 1.0 - waiting / step.time_s)
 
 
