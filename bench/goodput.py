@@ -284,6 +284,18 @@ def write_md(name: str, path: Path) -> None:
     (RESULTS / f"{name}.md").write_text(f"# {name}\n\n" + table_md(json.loads(path.read_text())))
 
 
+def plan_inputs(args: argparse.Namespace, capacity_rps: float | None) -> dict:
+    from cluster.plan.probe import probe
+
+    return {
+        "capacity_rps": capacity_rps,
+        "request_latency_s": args.request_latency,
+        "background_busy": args.background_busy,
+        "cpu_s_per_token": args.cpu_per_token,
+        "probe": probe(),
+    }
+
+
 def replan(args: argparse.Namespace) -> None:
     """The plan's predictions beside an earlier measurement, at the rates it delivered."""
     old = json.loads(Path(args.replan).read_text())
@@ -292,6 +304,7 @@ def replan(args: argparse.Namespace) -> None:
     for row in old["loads"]:
         rate = row.get("delivered_rps") or row["throughput_rps"]
         row["plan"] = predict(args, rate, row["requests"] + row["failed"])
+    old["plan_inputs"] = plan_inputs(args, capacity(args))
     keep = ("command", "date", "commit", "load_average")
     measured = {k: old[k] for k in keep if k in old}
     result = {k: v for k, v in old.items() if k not in (*keep, "machine", "cpu", "cpu_flags",
@@ -400,15 +413,7 @@ def main() -> None:
     result = {"mode": args.mode, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot,
               "tool": args.tool, "loads": rows}  # fmt: skip
     if args.plan:
-        from cluster.plan.probe import probe
-
-        result["plan_inputs"] = {
-            "capacity_rps": getattr(args, "capacity_rps", None),
-            "request_latency_s": args.request_latency,
-            "background_busy": args.background_busy,
-            "cpu_s_per_token": args.cpu_per_token,
-            "probe": probe(),
-        }
+        result["plan_inputs"] = plan_inputs(args, getattr(args, "capacity_rps", None))
     path = record(args.name, result)
     if args.plan:
         write_md(args.name, path)
