@@ -277,7 +277,9 @@ def table_md(result: dict) -> str:
             pred = "" if p is None else fmt.format(p * scale)
             cells += [fmt.format(m * scale), pred, err]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\n`{result['command']}`\n"
+    measured = result.get("measured", {}).get("command")
+    how = f"measured: `{measured}`\n\nplanned: " if measured else ""
+    return "\n".join(lines) + f"\n\n{how}`{result['command']}`\n"
 
 
 def write_md(name: str, path: Path) -> None:
