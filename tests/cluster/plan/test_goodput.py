@@ -3,7 +3,7 @@ deployment that it sets beside them."""
 
 import pytest
 
-from bench.goodput import summarise
+from bench.goodput_report import summarise
 from cluster.plan.hardware import CATALOG
 from cluster.plan.models import load_model
 from cluster.plan.planner import ModelCosts, predict_fixed
@@ -48,7 +48,7 @@ def test_predict_fixed_at_a_low_rate_is_one_step_per_token():
 def test_summarise_records_delivered_rate_and_tpot():
     """bench/openloop.py's records: the delivered rate is n - 1 gaps over the span of the sends;
     TPOT is (last - first token) / (tokens - 1); a failed request counts only as failed."""
-    from bench.goodput import summarise_records
+    from bench.goodput_report import summarise_records
     from bench.openloop import Record, arrivals
 
     recs = [
