@@ -1,17 +1,22 @@
-"""Goodput of a running cluster over its OpenAI HTTP API, with guidellm (vLLM project's load tool,
-`pip install -e '.[load]'`) generating the load: open loop (Poisson arrivals at each rate) or
-closed loop (N concurrent streams), synthetic prompts of the given lengths (normal spread) with
-a shared prefix, seeded, with guidellm's progress bar. This script only wraps it: per load it
-reads guidellm's per-request records and reports TTFT / TPOT (inter-token latency) / e2e
-percentiles, throughput and goodput (requests/s that met both SLOs), writes
-bench/results/<name>.json (with the command) and a plot; `--plan` sets the prediction of
-`epcluster plan` for the same deployment beside each load (cluster/plan/planner.py, predict).
+"""Goodput of a running cluster over its OpenAI HTTP API. The load: open loop, seeded Poisson
+arrivals sent at their times whatever the cluster does (bench/openloop.py, the default: it
+reports the rate it delivered and how late its sends were), or guidellm (the vLLM project's
+load tool, `pip install -e '.[load]'`, `--tool guidellm`; closed loop, N concurrent streams,
+always uses it), synthetic prompts of the given lengths with a shared prefix. Per load it
+reports TTFT / TPOT (inter-token latency) / e2e percentiles, throughput and goodput (requests/s
+that met both SLOs) and the cores the router, the ranks, Ray and the load generator kept busy
+(`--server-pid`), writes bench/results/<name>.json (with the command), <name>.md and a plot.
+`--plan P,D` sets beside each load the plan's prediction for the same local deployment at the
+DELIVERED rate (cluster/plan/local.py); `--capacity-fractions` picks the loads as shares of the
+plan's predicted capacity; `--replan RESULT` recomputes that column of a recorded measurement.
 
-The calibration of issue 27 (a cluster of 2 prefill + 2 decode ranks of `small`, then 1 + 1):
-    .venv/bin/epcluster serve --model small --prefill-ranks 2 --decode-ranks 2 --http-port 8000 &
-    .venv/bin/python -m bench.goodput --model small --mode open --loads 0.5,1,2 \
-        --prompt-tokens 128 --output-tokens 128 --prefix-tokens 32 --requests 100 \
-        --slo-ttft 2 --slo-tpot 0.2 --plan 2,2 --name goodput_small_2p2d --plot
+The calibration of issue 27 (docs/planning.md; 2 prefill + 2 decode ranks of `small`, then 1 + 1):
+    .venv/bin/epcluster serve --model small --prefill-ranks 2 --decode-ranks 2 --http-port 8130 &
+    .venv/bin/python -m bench.cpu_overheads   # the probe and the engine's overheads, first
+    .venv/bin/python -m bench.goodput --target http://127.0.0.1:8130 --model small \
+        --prompt-tokens 128 --output-tokens 128 --prefix-tokens 32 --requests 30 --duration 60 \
+        --slo-ttft 2 --slo-tpot 0.2 --capacity-fractions 0.3,0.6,0.9 --background-busy 0.17 \
+        --cpu-per-token 5e-5 --plan 2,2 --server-pid $SERVE_PID --name goodput_small_2p2d --plot
 No hub is reached: the tokenizer is the checkpoint's own (HF_HUB_OFFLINE=1).
 """
 
@@ -22,9 +27,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.common import RESULTS, record
+from bench.goodput_report import plot, summarise, summarise_records, write_md
 
 
 def guidellm_command(args: argparse.Namespace, load: float, out: Path, tokenizer: str) -> list[str]:
@@ -55,78 +62,143 @@ def guidellm_command(args: argparse.Namespace, load: float, out: Path, tokenizer
     ]  # fmt: skip
 
 
-def summarise(report: dict, slo_ttft: float, slo_tpot: float) -> dict:
-    """Percentiles, throughput and goodput of one guidellm benchmark (its per-request records).
-    TPOT is the inter-token latency (the first token excluded), as the plan defines it."""
-    bench = report["benchmarks"][0]
-    done = bench["requests"]["successful"]
-    failed = len(bench["requests"]["errored"]) + len(bench["requests"]["incomplete"])
-    seconds = bench["duration"]
-    ttft = [r["time_to_first_token_ms"] / 1000 for r in done]
-    tpot = [(r["inter_token_latency_ms"] or 0.0) / 1000 for r in done]
-    e2e = [r["request_latency"] for r in done]
-    good = sum(1 for a, b in zip(ttft, tpot) if a <= slo_ttft and b <= slo_tpot)
-
-    def pct(xs: list[float], q: int) -> float | None:
-        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else None
-
-    return {
-        "requests": len(done),
-        "failed": failed,
-        "duration_s": seconds,
-        "throughput_rps": len(done) / seconds,
-        "input_tokens_per_s": sum(r["prompt_tokens"] for r in done) / seconds,
-        "output_tokens_per_s": sum(r["output_tokens"] for r in done) / seconds,
-        "goodput_rps": good / seconds,
-        **{f"ttft_p{q}_s": pct(ttft, q) for q in (50, 90, 99)},
-        **{f"tpot_p{q}_s": pct(tpot, q) for q in (50, 90, 99)},
-        **{f"e2e_p{q}_s": pct(e2e, q) for q in (50, 90, 99)},
-    }
-
-
-def predict(args: argparse.Namespace, load: float) -> dict:
-    """The plan's prediction for the same deployment (prefill,decode ranks on this CPU) and an
-    open-loop load (closed loop: the rate the measured run reached is not known beforehand)."""
+def _local(args: argparse.Namespace):  # -> (PlanModel, Workload at rate 1, LocalCluster)
+    from cluster.plan.local import LocalCluster
     from cluster.plan.models import load_model
-    from cluster.plan.planner import ModelCosts, predict_fixed
-    from cluster.plan.probe import cpu_hardware
     from cluster.plan.workload import Workload
 
     prefill, decode = (int(x) for x in args.plan.split(","))
-    # assumption: every rank busy at once, the machine's cores and bandwidth shared evenly
-    share = min(1.0, (os.cpu_count() or 1) / (prefill + decode))
-    costs = ModelCosts(load_model(args.model), cpu_hardware(share=share), 1, "fp32", "fp32")
     hit = args.prefix_tokens / (args.prefix_tokens + args.prompt_tokens)
-    work = Workload("bench", load, args.prompt_tokens + args.prefix_tokens, args.output_tokens, hit)
-    plan = predict_fixed(costs, work, prefill, decode, args.slo_ttft, args.slo_tpot)
-    s = plan.summary()
-    keys = ("ttft_s", "ttft_p90_s", "tpot_s", "tpot_p90_s", "e2e_s", "goodput_rps")
-    return {k: s[k] for k in keys}
+    prompt = args.prompt_tokens + args.prefix_tokens
+    work = Workload("bench", 1.0, prompt, args.output_tokens, hit)
+    cluster = LocalCluster(
+        prefill, decode, background_busy=args.background_busy, cpu_s_per_token=args.cpu_per_token,
+        request_latency_s=args.request_latency or 0.0,
+    )  # fmt: skip
+    return load_model(args.model), work, cluster
 
 
-def plot(rows: list[dict], mode: str, path: Path) -> None:
-    """Throughput and goodput, and TTFT / TPOT medians (measured; the plan's dashed), by load."""
-    import matplotlib
+def level_requests(args: argparse.Namespace, load: float) -> int:
+    """`--requests`, or more to fill `--duration` seconds at this rate."""
+    return max(args.requests, round(load * (args.duration or 0)))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    loads = [r["load"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(loads, [r["throughput_rps"] for r in rows], "o-", label="throughput")
-    a.plot(loads, [r["goodput_rps"] for r in rows], "s-", label="goodput")
-    b.plot(loads, [r["ttft_p50_s"] for r in rows], "o-", label="TTFT p50")
-    b.plot(loads, [r["tpot_p50_s"] for r in rows], "s-", label="TPOT p50")
-    if all("plan" in r for r in rows):
-        a.plot(loads, [r["plan"]["goodput_rps"] for r in rows], "s--", label="goodput (plan)")
-        b.plot(loads, [r["plan"]["ttft_s"] for r in rows], "o--", label="TTFT p50 (plan)")
-        b.plot(loads, [r["plan"]["tpot_s"] for r in rows], "s--", label="TPOT p50 (plan)")
-    xlabel = "offered requests/s" if mode == "open" else "concurrent streams"
-    a.set(xlabel=xlabel, ylabel="requests/s")
-    b.set(xlabel=xlabel, ylabel="seconds", yscale="log")
-    a.legend(), b.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+def predict(args: argparse.Namespace, load: float, requests: int) -> dict:
+    """The plan's prediction for the same deployment (prefill,decode ranks on this CPU, sharing
+    its cores: cluster/plan/local.py) at an open-loop rate (closed loop: the rate the measured
+    run reached is not known beforehand)."""
+    from cluster.plan.local import predict_local
+
+    model, work, cluster = _local(args)
+    return predict_local(model, work.scaled(load), cluster, args.slo_ttft, args.slo_tpot, requests)
+
+
+def request_latency(args: argparse.Namespace, tries: int = 10) -> float:
+    """The router's own part of a TTFT, on the idle cluster: the median TTFT of one-token prompts
+    sent one at a time, less the plan's prefill step of one token (what the ranks compute)."""
+    import asyncio
+
+    from bench.openloop import OpenLoop, run
+    from cluster.plan.local import LocalCluster
+
+    cfg = OpenLoop(args.target, args.model, 1.0, 1, 1, 0, 2, 1000, args.seed)
+    ttfts = []
+    for _ in range(tries):
+        ttfts += [r.first_s - r.sent_s for r in asyncio.run(run(cfg))]
+    model, _, cluster = _local(args)
+    prefill = LocalCluster(cluster.prefill_ranks, cluster.decode_ranks).costs(
+        model, cluster.prefill_ranks + cluster.background_busy
+    )
+    step = prefill.prefill_s(cluster.prefill_ranks, 1, 1, 0.0)
+    return max(0.0, statistics.median(ttfts) - step)
+
+
+def capacity(args: argparse.Namespace) -> float:
+    from cluster.plan.local import capacity_rps
+
+    return capacity_rps(*_local(args))
+
+
+def cpu_seconds(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of the router (the serve process), its rank actors, the rest of its
+    process tree (Ray's daemons) and this load generator: who used the cores during a load."""
+    import psutil
+
+    def used(proc: psutil.Process) -> float:
+        try:
+            t = proc.cpu_times()
+            return t.user + t.system
+        except psutil.Error:
+            return 0.0
+
+    out = {"client": used(psutil.Process()), "router": 0.0, "ranks": 0.0, "ray_other": 0.0}
+    if server_pid is None:
+        return out
+    root = psutil.Process(server_pid)
+    out["router"] = used(root)
+    for child in root.children(recursive=True):
+        try:
+            name = " ".join(child.cmdline()[:1])
+        except psutil.Error:
+            continue
+        key = "ranks" if name.startswith(("ray::Prefill", "ray::Decode")) else "ray_other"
+        out[key] += used(child)
+    return out
+
+
+def measure_openloop(args: argparse.Namespace, load: float) -> dict:
+    import asyncio
+
+    from bench.openloop import OpenLoop, run
+    from moe.presets import ensure_preset
+
+    vocab = json.loads((ensure_preset(args.model) / "config.json").read_text())["vocab_size"]
+    cfg = OpenLoop(args.target, args.model, load, level_requests(args, load), args.prompt_tokens,
+                   args.prefix_tokens, args.output_tokens, vocab, args.seed)  # fmt: skip
+    before, start = cpu_seconds(args.server_pid), time.perf_counter()
+    records = asyncio.run(run(cfg))
+    after, wall = cpu_seconds(args.server_pid), time.perf_counter() - start
+    row = summarise_records(records, args.slo_ttft, args.slo_tpot)
+    # cores each part kept busy on average over the load
+    row["cpu_cores"] = {k: (after[k] - before[k]) / wall for k in after}
+    print(f"offered {load} req/s: delivered {row['delivered_rps']:.3f}, done {row['requests']}, "
+          f"TTFT p50 {row['ttft_p50_s']:.3f} s, TPOT p50 {row['tpot_p50_s']:.4f} s",
+          file=sys.stderr)  # fmt: skip
+    return row
+
+
+def plan_inputs(args: argparse.Namespace, capacity_rps: float | None) -> dict:
+    from cluster.plan.probe import probe
+
+    return {
+        "capacity_rps": capacity_rps,
+        "request_latency_s": args.request_latency,
+        "background_busy": args.background_busy,
+        "cpu_s_per_token": args.cpu_per_token,
+        "probe": probe(),
+    }
+
+
+def replan(args: argparse.Namespace) -> None:
+    """The plan's predictions beside an earlier measurement, at the rates it delivered."""
+    old = json.loads(Path(args.replan).read_text())
+    if args.request_latency is None:  # the one measured with the loads
+        args.request_latency = old.get("plan_inputs", {}).get("request_latency_s")
+    for row in old["loads"]:
+        rate = row.get("delivered_rps") or row["throughput_rps"]
+        row["plan"] = predict(args, rate, row["requests"] + row["failed"])
+    old["plan_inputs"] = plan_inputs(args, capacity(args))
+    keep = ("command", "date", "commit", "load_average")
+    measured = {k: old[k] for k in keep if k in old}
+    result = {k: v for k, v in old.items() if k not in (*keep, "machine", "cpu", "cpu_flags",
+              "cores", "measured")} | {"measured": old.get("measured", measured)}  # fmt: skip
+    name = Path(args.replan).stem
+    Path(args.replan).unlink()  # NOTE: replaced on purpose (git keeps the measured one)
+    path = record(name, result)
+    write_md(name, path)
+    print(f"recorded {path}")
+    if args.plot:
+        plot(result["loads"], result["mode"], RESULTS / f"{name}.png")
 
 
 def main() -> None:
@@ -137,20 +209,57 @@ def main() -> None:
     parser.add_argument("--model", default="small", help="the served model (and its tokenizer)")
     parser.add_argument("--tokenizer", help="tokenizer dir (default: the preset's checkpoint)")
     parser.add_argument("--mode", choices=["open", "closed"], default="open")
+    parser.add_argument(
+        "--tool",
+        choices=["openloop", "guidellm"],
+        default="openloop",
+        help="load side: bench/openloop.py's seeded Poisson arrivals (open mode), or guidellm",
+    )
     parser.add_argument("--loads", default="0.5,1,2", help="rates (open) or streams (closed)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--stdev", type=int, default=0, help="of both lengths (normal)")
     parser.add_argument("--prefix-tokens", type=int, default=0, help="shared by every prompt")
-    parser.add_argument("--requests", type=int, default=100, help="per load")
+    parser.add_argument("--requests", type=int, default=100, help="per load (at least)")
+    parser.add_argument("--duration", type=float, help="openloop: more requests to fill it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tpot", type=float, default=0.2)
     parser.add_argument("--plan", help="PREFILL,DECODE ranks: add the plan's prediction")
+    parser.add_argument(
+        "--capacity-fractions", help="with --plan: loads as these shares of the plan's capacity"
+    )
+    parser.add_argument(
+        "--background-busy",
+        type=float,
+        default=0.0,
+        help="with --plan: cores busy besides the ranks whatever the load (Ray's daemons)",
+    )
+    parser.add_argument(
+        "--cpu-per-token",
+        type=float,
+        default=0.0,
+        help="with --plan: router + load generator CPU seconds per output token",
+    )
+    parser.add_argument(
+        "--request-latency",
+        type=float,
+        help="with --plan: the router's part of a TTFT (default: measured first, idle cluster)",
+    )
+    parser.add_argument("--server-pid", type=int, help="epcluster serve's pid: CPU accounting")
     parser.add_argument("--name", default="goodput")
     parser.add_argument("--plot", action="store_true", help=f"also {RESULTS}/<name>.png")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--replan",
+        metavar="RESULT",
+        help="recompute --plan's column of a recorded result "
+        "(its measurements kept, at their delivered rates) instead of measuring",
+    )
     args = parser.parse_args()
+    if args.replan:
+        replan(args)
+        return
     tokenizer = args.tokenizer
     if tokenizer is None:
         from moe.presets import ensure_preset
@@ -159,22 +268,38 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for load in (float(x) for x in args.loads.split(",")):
-            out = Path(tmp) / f"{load}.json"
-            # guidellm's progress and tables go to stderr: stdout stays this script's
-            subprocess.run(
-                guidellm_command(args, load, out, tokenizer), check=True, stdout=sys.stderr
-            )
-            row = {
-                "load": load,
-                **summarise(json.loads(out.read_text()), args.slo_ttft, args.slo_tpot),
-            }
+        loads = [float(x) for x in args.loads.split(",")]
+        if args.plan and args.request_latency is None and args.tool == "openloop":
+            args.request_latency = request_latency(args)
+            print(f"router request latency {args.request_latency:.4f} s", file=sys.stderr)
+        if args.capacity_fractions:
+            # the loads as shares of the plan's predicted capacity of this deployment
+            cap = args.capacity_rps = capacity(args)
+            print(f"plan: capacity {cap:.3f} req/s", file=sys.stderr)
+            loads = [round(cap * float(f), 3) for f in args.capacity_fractions.split(",")]
+        for load in loads:
+            if args.tool == "openloop" and args.mode == "open":
+                row = {"load": load, **measure_openloop(args, load)}
+            else:
+                out = Path(tmp) / f"{load}.json"
+                # guidellm's progress and tables go to stderr: stdout stays this script's
+                subprocess.run(
+                    guidellm_command(args, load, out, tokenizer), check=True, stdout=sys.stderr
+                )
+                report = json.loads(out.read_text())
+                row = {"load": load, **summarise(report, args.slo_ttft, args.slo_tpot)}
             if args.plan and args.mode == "open":
-                row["plan"] = predict(args, load)
+                # NOTE: the prediction is for the rate that was delivered, not the one offered
+                rate = row.get("delivered_rps") or row["throughput_rps"]
+                row["plan"] = predict(args, rate, row["requests"] + row["failed"])
             rows.append(row)
     result = {"mode": args.mode, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot,
-              "tool": "guidellm", "loads": rows}  # fmt: skip
+              "tool": args.tool, "loads": rows}  # fmt: skip
+    if args.plan:
+        result["plan_inputs"] = plan_inputs(args, getattr(args, "capacity_rps", None))
     path = record(args.name, result)
+    if args.plan:
+        write_md(args.name, path)
     if args.plot:
         plot(rows, args.mode, RESULTS / f"{args.name}.png")
     print(json.dumps(result, indent=1) if args.json else f"recorded {path}")

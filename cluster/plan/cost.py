@@ -5,7 +5,11 @@ and does FLOPs; its time is max(bytes / read bandwidth, FLOPs / peak) (a rooflin
 Every MoE layer moves the step's tokens to their experts and back (dispatch in fp8, combine in
 bf16, as DeepSeek does) over NVLink inside a node and RDMA between nodes; with two-batch overlap
 that communication hides behind computation: step = compute + comm - min(comm, compute).
-A fixed per-step overhead (launch, scheduling, the step's agreement) is added.
+A fixed per-step overhead (launch, scheduling, the step's agreement) is added; on a CPU also a
+per-sequence overhead (the engine's Python bookkeeping and sampling per request, measured) and
+a fixed latency per exchange of each MoE layer's dispatch and combine (gloo's round trip between
+processes, measured: at decode's few rows it, not the bandwidth, is the all-to-all's cost; the
+cluster's dispatcher makes three a layer, exchanges_per_step).
 
 Ranks of a pool step in lockstep with equal batches (the router balances them; attention is data
 parallel), so one rank's step is the pool's step; the EPLB imbalance (max / mean tokens per rank
@@ -37,6 +41,8 @@ class Unit:
     imbalance: float = 1.05  # assumption: EPLB's max / mean rank load after balancing
     two_batch_overlap: bool = True
     step_overhead_s: float = 0.5e-3  # assumption: CUDA graph launch + scheduling per step
+    sequence_overhead_s: float = 0.0  # per sequence in the step (CPU: measured)
+    exchange_latency_s: float = 0.0  # per dispatch or combine, beside its bytes (CPU: measured)
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.gpus_per_node < 1:
@@ -48,6 +54,8 @@ class Unit:
                 raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}")
         if self.redundant_experts < 0 or self.imbalance < 1 or self.step_overhead_s < 0:
             raise ValueError("redundant_experts >= 0, imbalance >= 1, step_overhead_s >= 0")
+        if self.sequence_overhead_s < 0 or self.exchange_latency_s < 0:
+            raise ValueError("sequence_overhead_s and exchange_latency_s must be >= 0")
 
     @property
     def nodes(self) -> int:
@@ -161,7 +169,22 @@ def step_cost(
     comm = moe_layers * all_to_all_s(model, hw, unit, tokens, dedup_nodes)
     overlap = unit.two_batch_overlap and tokens >= 2
     phases = {"attention": attn, "dense_mlp": dense, "experts": moe, "lm_head": head}
-    return StepCost(tokens, phases, comm, unit.step_overhead_s, overlap)
+    # Step 3: what the roofline does not see: per step, per sequence, per exchange (round trips
+    # that two-batch overlap cannot hide)
+    exchanges = exchanges_per_step(model, unit.ranks)
+    overhead = (
+        unit.step_overhead_s
+        + unit.sequence_overhead_s * max(head_rows, 1)
+        + unit.exchange_latency_s * exchanges
+    )
+    return StepCost(tokens, phases, comm, overhead, overlap)
+
+
+def exchanges_per_step(model: PlanModel, ranks: int) -> int:
+    """Collective round trips of one step of an EP pool, as moe/dispatch.py's AllToAllDispatcher
+    runs them: per MoE layer the split sizes, the rows and the combine (3), and the step's
+    agreement among the ranks (one all_reduce, engine/llm_engine.py); none without EP."""
+    return 3 * model.num_moe_layers + 1 if ranks > 1 else 0
 
 
 def all_to_all_s(model: PlanModel, hw: Hardware, unit: Unit, tokens: int, dedup: bool) -> float:

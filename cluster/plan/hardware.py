@@ -46,6 +46,11 @@ class Hardware:
     price_per_hour: float  # USD per GPU-hour
     sources: dict[str, str] = field(default_factory=dict)
     efficiency: Efficiency = Efficiency()
+    # what the software adds to a step beyond the roofline, where measured (cost.Unit's
+    # fields): None / 0 leave the Unit's assumptions (a GPU's 0.5 ms per step)
+    step_overhead_s: float | None = None
+    sequence_overhead_s: float = 0.0
+    exchange_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.memory_bw <= 0:
@@ -54,6 +59,9 @@ class Hardware:
             raise ValueError(f"{self.name}: flops needs positive {sorted(DTYPE_BYTES)}")
         if self.intra_node_bw <= 0 or self.inter_node_bw <= 0 or self.price_per_hour < 0:
             raise ValueError(f"{self.name}: link bandwidths must be > 0, price >= 0")
+        overheads = (self.step_overhead_s or 0.0, self.sequence_overhead_s, self.exchange_latency_s)
+        if min(overheads) < 0:
+            raise ValueError(f"{self.name}: overheads must be >= 0")
 
     def peak(self, dtype: str) -> float:
         """FLOP/s that kernels reach in `dtype` (peak x efficiency)."""

@@ -43,6 +43,10 @@ class ModelCosts:
     # [L, E] tokens per expert (routing.py): the EPLB imbalance of each EP size comes from it;
     # None: Unit's assumed 1.05
     expert_tokens: torch.Tensor | None = None
+    # the deployment's own settings where given (a local cluster's): redundant slots per pool
+    # (None: the 1/8 rule) and the KV cache per rank (None: all memory left)
+    redundant: int | None = None
+    kv_budget_bytes: float | None = None
     _imbalance: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -51,12 +55,21 @@ class ModelCosts:
 
     def unit(self, ep: int) -> Unit:
         act = "fp32" if self.weight_dtype == "fp32" else None
-        redundant = redundant_experts(self.model.config.n_routed_experts, ep)
+        redundant = self.redundant_slots(ep)
+        hw = self.hw
+        measured = {} if hw.step_overhead_s is None else {"step_overhead_s": hw.step_overhead_s}
         return Unit(
             ep, self.gpus_per_node, redundant, self.weight_dtype, self.kv_dtype,
             act or "fp8", act or "bf16", two_batch_overlap=self.two_batch_overlap,
+            sequence_overhead_s=hw.sequence_overhead_s, exchange_latency_s=hw.exchange_latency_s,
+            **measured,
             **({} if self.expert_tokens is None else {"imbalance": self.imbalance(ep)}),
         )  # fmt: skip
+
+    def redundant_slots(self, ep: int) -> int:
+        if self.redundant is not None:
+            return self.redundant if ep > 1 else 0
+        return redundant_experts(self.model.config.n_routed_experts, ep)
 
     def imbalance(self, ep: int) -> float:
         """max / mean rank load of EP size `ep` under the given routing statistics (cached:
@@ -64,7 +77,7 @@ class ModelCosts:
         assert self.expert_tokens is not None
         if ep not in self._imbalance:
             c = self.model.config
-            redundant = redundant_experts(c.n_routed_experts, ep)
+            redundant = self.redundant_slots(ep)
             ratio = eplb_imbalance(self.expert_tokens, ep, redundant, c.n_group, self.gpus_per_node)
             self._imbalance[ep] = max(1.0, ratio)
         return self._imbalance[ep]
@@ -85,7 +98,8 @@ class ModelCosts:
         unit = self.unit(ep)
         return plan_memory(
             self.model, self.hw.memory_bytes, ep, self.weight_dtype, self.kv_dtype,
-            unit.redundant_experts, step_tokens, min_kv_tokens=math.ceil(kv_tokens),
+            unit.redundant_experts, step_tokens, self.kv_budget_bytes,
+            min_kv_tokens=math.ceil(kv_tokens),
         )  # fmt: skip
 
     def fits(self, ep: int, step_tokens: int, kv_tokens: float) -> bool:
@@ -213,20 +227,28 @@ def predict_fixed(
     chunk: int = 2048,  # the engine's max_num_batched_tokens (engine/config.py)
     batch: int = 64,  # the engine's max_num_seqs
     samples: int = 5000,
+    decode_costs: ModelCosts | None = None,
+    seed: int = 0,
+    warmup_fraction: float = 0.1,
 ) -> Plan:
     """A given deployment (one unit of each pool, `costs.gpus_per_node` ranks a node), simulated
-    at the workload's rate without search or added units: what a benchmark of it should see."""
+    at the workload's rate without search or added units: what a benchmark of it should see.
+    `decode_costs`: the decode pool's, where its ranks see other hardware (a CPU share; None:
+    `costs`). `seed` draws the arrivals; `warmup_fraction`: the first requests left out of
+    the statistics (0: a run from an empty cluster, as a benchmark of `samples` requests)."""
     g = costs.gpus_per_node
+    d_costs = decode_costs or costs
     if prefill_ranks % g or decode_ranks % g:
         raise ValueError(f"{prefill_ranks} and {decode_ranks} ranks must fill nodes of {g}")
-    p_step, d_step = _mean_steps(costs, work, prefill_ranks, chunk, decode_ranks, batch)
+    p_step = _mean_steps(costs, work, prefill_ranks, chunk, decode_ranks, batch)[0]
+    d_step = _mean_steps(d_costs, work, prefill_ranks, chunk, decode_ranks, batch)[1]
     per_gpu = chunk / p_step.time_s / (1 - work.prefix_hit)
     p = PoolChoice(prefill_ranks // g, 1, chunk, p_step.time_s, per_gpu, 0.0, g)
     d = PoolChoice(decode_ranks // g, 1, batch, d_step.time_s, batch / d_step.time_s, 0.0, g)
     dep = Deployment(p, d, costs.price_per_gpu_hour)
-    sim = _simulate(costs, dep, work, work.sample(samples), 0)
+    sim = _simulate(costs, dep, work, work.sample(samples, seed), seed, d_costs, warmup_fraction)
     return Plan(
-        dep, work, costs.memory(p.ep, chunk), costs.memory(d.ep, batch), p_step, d_step,
+        dep, work, costs.memory(p.ep, chunk), d_costs.memory(d.ep, batch), p_step, d_step,
         sim, slo_ttft, slo_tpot, samples,
     )  # fmt: skip
 
@@ -240,10 +262,17 @@ def _more(pick: PoolChoice) -> PoolChoice:
 
 
 def _simulate(
-    costs: ModelCosts, dep: Deployment, work: Workload, requests: list[Request], seed: int
+    costs: ModelCosts,
+    dep: Deployment,
+    work: Workload,
+    requests: list[Request],
+    seed: int,
+    decode_costs: ModelCosts | None = None,
+    warmup_fraction: float = 0.1,
 ) -> SimResult:
     p, d = dep.prefill, dep.decode
-    kv_tokens = costs.memory(d.ep, d.size).kv_tokens
+    d_costs = decode_costs or costs
+    kv_tokens = d_costs.memory(d.ep, d.size).kv_tokens
 
     @functools.lru_cache(maxsize=4096)
     def prefill(tokens: int, seqs: int, cached: float) -> float:
@@ -251,10 +280,11 @@ def _simulate(
 
     @functools.lru_cache(maxsize=1 << 16)
     def decode_bucket(batch: int, ctx_bucket: int) -> float:
-        return costs.decode_s(d.ep, batch, ctx_bucket * 64.0)
+        return d_costs.decode_s(d.ep, batch, ctx_bucket * 64.0)
 
-    unit = costs.unit(d.ep)
-    config = SimConfig(p.gpus, d.gpus, chunk_tokens=p.size, max_batch=d.size, kv_tokens=kv_tokens)
+    unit = d_costs.unit(d.ep)
+    config = SimConfig(p.gpus, d.gpus, chunk_tokens=p.size, max_batch=d.size, kv_tokens=kv_tokens,
+                       warmup_fraction=warmup_fraction)  # fmt: skip
     return simulate(
         requests, work.rate, config,
         lambda t, s, c: prefill(t, s, round(c)),

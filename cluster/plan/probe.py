@@ -1,7 +1,16 @@
-"""This machine, measured: read bandwidth (a sum over 256 MiB of fp32), the fp32 peak (a 1536^3
-matmul) and the all-to-all bandwidth between 2 local processes over gloo (what the CPU cluster's
-EP pools use), in a few seconds, cached in <cache>/probe.json (EPCLUSTER_CACHE, else
-~/.cache/epcluster). The numbers are what kernels reach, so the CPU entry's efficiency is 1.
+"""This machine, measured: read bandwidth (a sum over 256 MiB of fp32) and the fp32 peak (a
+1536^3 matmul), of one single-threaded process (a rank's torch_threads) and summed over one
+such process per core measuring at once (the machine's total for such ranks), and the all-to-all
+bandwidth and the latency of one small exchange between 2 local processes over gloo (what the
+CPU cluster's EP pools use), alone and with every core taken by other threads, in a few
+seconds, cached in <cache>/probe.json (EPCLUSTER_CACHE, else ~/.cache/epcluster). The numbers
+are what kernels reach, so the CPU entry's efficiency is 1. bench/cpu_overheads.py adds the
+engine's measured per-step and per-sequence overheads to the same file (what a rank's step
+costs beyond the roofline of these numbers).
+
+A rank on a shared machine (`cpu_hardware(busy_threads=n)`): n threads want the C cores, so one
+thread runs C / n of the time when n > C, and the n share the memory bandwidth:
+bandwidth = min(one thread's x min(1, C / n), all threads' / n), the same for FLOP/s.
 """
 
 import json
@@ -16,6 +25,8 @@ import torch
 from cluster.plan.hardware import CATALOG, Efficiency, Hardware
 
 ALL_TO_ALL_BYTES = 16 * 2**20  # per rank per exchange
+SMALL_EXCHANGE_BYTES = 4096  # per rank: a decode step's few rows of one MoE layer
+EXCHANGES = 300
 
 
 def cache_file() -> Path:
@@ -34,14 +45,14 @@ def _best(fn: Callable[[], object], repeats: int = 5) -> float:
     return best
 
 
-def read_bandwidth() -> float:
+def read_bandwidth(repeats: int = 5) -> float:
     x = torch.ones(2**26)  # 256 MiB
-    return x.numel() * 4 / _best(lambda: x.sum())
+    return x.numel() * 4 / _best(lambda: x.sum(), repeats)
 
 
-def fp32_peak(n: int = 1536) -> float:
+def fp32_peak(n: int = 1536, repeats: int = 3) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best(lambda: a @ b, repeats=3)
+    return 2 * n**3 / _best(lambda: a @ b, repeats)
 
 
 def _all_to_all_worker(rank: int, port: int, out: str) -> None:
@@ -52,14 +63,32 @@ def _all_to_all_worker(rank: int, port: int, out: str) -> None:
     x = torch.ones(ALL_TO_ALL_BYTES // 4)
     y = torch.empty_like(x)
     seconds = _best(lambda: dist.all_to_all_single(y, x))
+    a, b = torch.ones(SMALL_EXCHANGE_BYTES // 4), torch.empty(SMALL_EXCHANGE_BYTES // 4)
+    c = torch.randn(256, 256)
+    # small exchanges between bits of work (a decode layer's pattern): the mean wait is what a
+    # step pays per exchange, a partner descheduled by busier cores included
+    waited = 0.0
+    for _ in range(EXCHANGES):
+        c @ c
+        start = time.perf_counter()
+        dist.all_to_all_single(b, a)
+        waited += time.perf_counter() - start
     if rank == 0:
         # half of each rank's buffer crosses to the other process
-        Path(out).write_text(json.dumps(ALL_TO_ALL_BYTES / 2 / seconds))
+        Path(out).write_text(json.dumps([ALL_TO_ALL_BYTES / 2 / seconds, waited / EXCHANGES]))
     dist.destroy_process_group()
 
 
-def all_to_all_bandwidth() -> float:
-    """Bytes/s one rank sends to the other in a gloo all_to_all_single on this machine."""
+def _spin(stop: "mp.synchronize.Event") -> None:  # noqa: F821 (a string: no import here)
+    torch.set_num_threads(1)
+    x = torch.randn(512, 512)
+    while not stop.is_set():
+        x @ x
+
+
+def all_to_all(spinners: int = 0) -> tuple[float, float]:
+    """(bytes/s one rank sends to the other in a gloo all_to_all_single on this machine, mean
+    seconds of one small exchange), while `spinners` other single-threaded processes compute."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -67,55 +96,127 @@ def all_to_all_bandwidth() -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "bw.json")
-        mp.spawn(_all_to_all_worker, args=(port, out), nprocs=2, join=True)
-        return float(json.loads(Path(out).read_text()))
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    spin = [ctx.Process(target=_spin, args=(stop,)) for _ in range(spinners)]
+    for proc in spin:
+        proc.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "bw.json")
+            mp.spawn(_all_to_all_worker, args=(port, out), nprocs=2, join=True)
+            bw, latency = json.loads(Path(out).read_text())
+    finally:
+        stop.set()
+        for proc in spin:
+            proc.join()
+    return float(bw), float(latency)
+
+
+def _single_thread_worker(barrier: object, queue: object) -> None:
+    torch.set_num_threads(1)
+    barrier.wait()  # type: ignore[attr-defined]
+    bw = read_bandwidth(10)
+    barrier.wait()  # type: ignore[attr-defined]
+    queue.put((bw, fp32_peak(repeats=6)))  # type: ignore[attr-defined]
+
+
+def single_thread_processes(n: int) -> tuple[float, float]:
+    """(read bandwidth, fp32 FLOP/s) summed over `n` single-threaded processes measuring at
+    once: what n single-threaded ranks get together (independent processes, as the cluster's
+    ranks are, not one process's threads, whose matmul waits for its slowest thread)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_single_thread_worker, args=(barrier, queue)) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return sum(r[0] for r in results), sum(r[1] for r in results)
 
 
 def measure() -> dict[str, float]:
     threads = torch.get_num_threads()
-    return {
-        "read_bw": read_bandwidth(),
-        "fp32_flops": fp32_peak(),
-        "all_to_all_bw": all_to_all_bandwidth(),
+    cores = os.cpu_count() or 1
+    bw_1t, flops_1t = single_thread_processes(1)
+    bw, flops = single_thread_processes(cores)
+    result = {"read_bw": bw, "fp32_flops": flops, "read_bw_1t": bw_1t, "fp32_flops_1t": flops_1t}
+    bw, latency = all_to_all()
+    # the same with every core taken by 2 more threads: ranks then wait for a descheduled partner
+    _, busy_latency = all_to_all(spinners=cores)
+    return result | {
+        "all_to_all_bw": bw,
+        "exchange_latency_s": latency,
+        "exchange_latency_busy_s": busy_latency,  # 2 + cores threads busy
         "threads": threads,
+        "cores": cores,
         "date": time.time(),
     }
 
 
 def probe(refresh: bool = False) -> dict[str, float]:
-    """The cached measurement, taken now if there is none (or `refresh`)."""
+    """The cached measurement, taken now if there is none (or `refresh`, or it predates the
+    one-thread and latency figures); measured overheads already in the file are kept."""
     path = cache_file()
-    if not refresh and path.exists():
-        return json.loads(path.read_text())
-    result = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if not refresh and "exchange_latency_s" in old:
+        return old
+    keep = {k: old[k] for k in ("step_overhead_s", "sequence_overhead_s", "overheads") if k in old}
+    result = measure() | keep
+    save(result)
     return result
 
 
-def cpu_hardware(refresh: bool = False, share: float = 1.0) -> Hardware:
-    """This machine as one rank's device; `share` (0, 1]: the part of its cores and memory
-    bandwidth one rank gets when several ranks run on it at once (e.g. cores / ranks)."""
+def save(result: dict[str, float]) -> None:
+    path = cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _shared(one: float, every: float, cores: float, busy: float) -> float:
+    """What one of `busy` threads gets of a resource that one thread alone reaches at `one`
+    and all the cores together at `every`."""
+    return min(one * min(1.0, cores / busy), every / busy)
+
+
+def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Hardware:
+    """This machine: whole (`busy_threads` None: all threads of one process), or as one
+    single-threaded rank among `busy_threads` threads that compete for its cores and memory
+    bandwidth (the module docstring's sharing)."""
     import psutil
 
-    if not 0 < share <= 1:
-        raise ValueError(f"share must be in (0, 1] (got {share})")
     m = probe(refresh)
-    flops = m["fp32_flops"] * share
+    bw, flops, memory = m["read_bw"], m["fp32_flops"], float(psutil.virtual_memory().total)
+    what = f"{int(m['threads'])} threads"
+    latency = m.get("exchange_latency_s", 0.0)
+    if busy_threads is not None:
+        if busy_threads < 1:
+            raise ValueError(f"busy_threads must be >= 1 (got {busy_threads})")
+        cores = float(m.get("cores", m["threads"]))
+        bw = _shared(m["read_bw_1t"], bw, cores, busy_threads)
+        flops = _shared(m["fp32_flops_1t"], flops, cores, busy_threads)
+        memory /= max(1.0, busy_threads)
+        what = f"one thread of {busy_threads:.2f} busy on {cores:.0f} cores"
+        # measured with 2 busy threads and with 2 + cores: linear in the threads beyond 2
+        busy = m.get("exchange_latency_busy_s", latency)
+        latency = max(latency, latency + (busy - latency) * (busy_threads - 2) / cores)
     return Hardware(
         name="cpu",
-        memory_bytes=float(psutil.virtual_memory().total) * share,
-        memory_bw=m["read_bw"] * share,
+        memory_bytes=memory,
+        memory_bw=bw,
         flops={"fp32": flops, "bf16": flops, "fp8": flops},  # no faster low-precision path
         intra_node_bw=m["all_to_all_bw"],
         inter_node_bw=m["all_to_all_bw"],
         price_per_hour=0.0,
-        sources={"all": f"measured by cluster/plan/probe.py ({int(m['threads'])} threads), "
-                 f"cached in {cache_file()}"},
+        sources={"all": f"measured by cluster/plan/probe.py ({what}), cached in {cache_file()}"},
         efficiency=Efficiency(1.0, 1.0, 1.0),
-    )  # fmt: skip
+        step_overhead_s=m.get("step_overhead_s"),
+        sequence_overhead_s=m.get("sequence_overhead_s", 0.0),
+        exchange_latency_s=latency,
+    )
 
 
 def get_hardware(name: str) -> Hardware:

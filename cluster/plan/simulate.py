@@ -57,6 +57,7 @@ class SimResult:
     prefill_tokens_per_s: float  # per rank, input tokens (cached ones included)
     decode_tokens_per_s: float  # per rank, output tokens
     simulated_s: float
+    decode_busy: float = 0.0  # fraction of the time the decode rank stepped
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -121,8 +122,9 @@ def run_decode(
     max_batch: int,
     kv_tokens: int,
     recompute: Callable[[int], float],
-) -> tuple[list[float], float, int, float]:
-    """-> (time each request's last token is out, mean batch, preemptions, end time).
+) -> tuple[list[float], float, int, float, float]:
+    """-> (time each request's last token is out, mean batch, preemptions, end time, busy
+    seconds).
     A request arrives with its prompt's KV and its first token; it needs output - 1 steps."""
     end = [0.0] * len(requests)
     waiting: deque[tuple[int, int, float]] = deque()  # (index, tokens done, ready time)
@@ -130,7 +132,7 @@ def run_decode(
     joined: list[int] = []  # join order, for preemption (newest first); lazy deletion
     join_step, base = {}, {}  # index -> step it (re)joined, context then
     t, n_step, kv_used, ctx_sum, batch_sum, preempted, i = 0.0, 0, 0, 0, 0, 0, 0
-    running = 0
+    running, busy = 0, 0.0
     while i < len(requests) or waiting or running:
         if not waiting and not running:
             t = max(t, arrivals[i])
@@ -158,7 +160,9 @@ def run_decode(
             t = max(t, waiting[0][2]) if waiting else t
             continue
         # Step 2: one token for every running request
-        t += step(running, ctx_sum / running)
+        dt = step(running, ctx_sum / running)
+        t += dt
+        busy += dt
         n_step += 1
         batch_sum += running
         kv_used += running
@@ -183,7 +187,7 @@ def run_decode(
             finish = [f for f in finish if f[1] != idx]
             heapq.heapify(finish)
             waiting.appendleft((idx, ctx - requests[idx].prompt, t + recompute(ctx)))
-    return end, batch_sum / max(n_step, 1), preempted, t
+    return end, batch_sum / max(n_step, 1), preempted, t, busy
 
 
 def simulate(
@@ -207,7 +211,7 @@ def simulate(
     def recompute(ctx: int) -> float:
         return prefill_step(ctx, 1, 0.0)
 
-    last, mean_batch, preempted, d_end = run_decode(
+    last, mean_batch, preempted, d_end, d_busy = run_decode(
         decode_step, requests, d_arr, config.max_batch, config.kv_tokens, recompute
     )
     ttft, tpot, e2e = [], [], []
@@ -225,7 +229,7 @@ def simulate(
     return SimResult(
         ttft[skip:], tpot[skip:], e2e[skip:], busy / p_end, mean_batch, preempted,
         sum(r.prompt for r in admitted) / p_end, sum(r.output - 1 for r in requests) / d_end,
-        max(p_end, d_end),
+        max(p_end, d_end), d_busy / d_end,
     )  # fmt: skip
 
 

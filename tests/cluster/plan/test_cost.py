@@ -133,3 +133,18 @@ def test_unit_validates():
         Unit(12, 8)
     with pytest.raises(ValueError, match="dtype"):
         Unit(8, 8, weight_dtype="int4")
+
+
+def test_cpu_overheads_per_step_sequence_and_exchange():
+    """Beyond the roofline: a fixed step cost, one per sequence (the batch in decode), and one
+    per exchange when the pool has 2 ranks: the split sizes, the rows and the combine of each of
+    small's 7 MoE layers, and the step's all_reduce (moe/dispatch.py, engine/llm_engine.py)."""
+    m, hw = load_model("small"), CATALOG["H100"]
+    args = dict(imbalance=1.0, step_overhead_s=1e-3, sequence_overhead_s=1e-4,
+                exchange_latency_s=2e-4)  # fmt: skip
+    alone = decode_step(m, hw, Unit(1, 1, 0, "fp32", "fp32", "fp32", "fp32", **args), 4, 100)
+    pair = decode_step(m, hw, Unit(2, 1, 0, "fp32", "fp32", "fp32", "fp32", **args), 4, 100)
+    assert alone.overhead_s == pytest.approx(1e-3 + 4 * 1e-4)
+    assert pair.overhead_s == pytest.approx(1e-3 + 4 * 1e-4 + (3 * 7 + 1) * 2e-4)
+    prefill = prefill_step(m, hw, Unit(1, 1, 0, "fp32", "fp32", "fp32", "fp32", **args), 300, 3)
+    assert prefill.overhead_s == pytest.approx(1e-3 + 3 * 1e-4)  # per prompt, not per token

@@ -3,7 +3,7 @@ deployment that it sets beside them."""
 
 import pytest
 
-from bench.goodput import summarise
+from bench.goodput_report import summarise
 from cluster.plan.hardware import CATALOG
 from cluster.plan.models import load_model
 from cluster.plan.planner import ModelCosts, predict_fixed
@@ -43,3 +43,27 @@ def test_predict_fixed_at_a_low_rate_is_one_step_per_token():
     assert lo <= s["tpot_s"] <= hi + 1e-3
     assert s["prefill_nodes"] == 1 and s["decode_nodes"] == 1
     assert s["goodput_rps"] == pytest.approx(0.01)
+
+
+def test_summarise_records_delivered_rate_and_tpot():
+    """bench/openloop.py's records: the delivered rate is n - 1 gaps over the span of the sends;
+    TPOT is (last - first token) / (tokens - 1); a failed request counts only as failed."""
+    from bench.goodput_report import summarise_records
+    from bench.openloop import Record, arrivals
+
+    recs = [
+        Record(0.0, 0.0, 0.1, 1.0, 10, 100, None),  # TTFT 0.1, TPOT 0.1
+        Record(1.0, 1.0, 1.5, 1.95, 10, 100, None),  # TTFT 0.5, TPOT 0.05
+        Record(2.0, 2.0, 2.2, 3.1, 10, 100, None),  # TTFT 0.2, TPOT 0.1
+        Record(4.0, 4.0, None, None, 0, 100, "HTTP 503"),
+    ]
+    s = summarise_records(recs, slo_ttft=0.3, slo_tpot=0.2)
+    assert s["requests"] == 3 and s["failed"] == 1
+    assert s["delivered_rps"] == pytest.approx(3 / 4.0)
+    assert s["duration_s"] == pytest.approx(3.1)
+    assert s["throughput_rps"] == pytest.approx(3 / 3.1)
+    assert s["goodput_rps"] == pytest.approx(2 / 3.1)  # the second misses the TTFT SLO
+    assert s["ttft_p50_s"] == pytest.approx(0.2) and s["tpot_p50_s"] == pytest.approx(0.1)
+    times = arrivals(20000, 4.0, seed=1)  # seeded Poisson: mean gap 1 / rate
+    assert times[0] == 0.0 and (len(times) - 1) / times[-1] == pytest.approx(4.0, rel=0.03)
+    assert times == arrivals(20000, 4.0, seed=1)

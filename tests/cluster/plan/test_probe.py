@@ -1,15 +1,51 @@
-"""The CPU entry comes from the probe's cache (no measuring when one is there)."""
+"""The CPU entry comes from the probe's cache (no measuring when one is there), whole or as one
+single-threaded rank among busy threads."""
 
 import json
 
-from cluster.plan.probe import get_hardware
+import pytest
+
+from cluster.plan.probe import cpu_hardware, get_hardware
+
+MEASURED = {
+    "read_bw": 4e10, "fp32_flops": 2e11, "read_bw_1t": 3e10, "fp32_flops_1t": 1.2e11,
+    "all_to_all_bw": 2e9, "exchange_latency_s": 1e-4, "exchange_latency_busy_s": 5e-4,
+    "threads": 2, "cores": 2,
+    "step_overhead_s": 2e-3, "sequence_overhead_s": 1e-4,
+}  # fmt: skip
 
 
-def test_cpu_hardware_from_the_cache(tmp_path, monkeypatch):
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("EPCLUSTER_CACHE", str(tmp_path))
-    measured = {"read_bw": 2.5e10, "fp32_flops": 1e11, "all_to_all_bw": 2e9, "threads": 2}
-    (tmp_path / "probe.json").write_text(json.dumps(measured))
+    (tmp_path / "probe.json").write_text(json.dumps(MEASURED))
+
+
+def test_cpu_hardware_from_the_cache(cache):
     hw = get_hardware("cpu")
-    assert hw.read_bw == 2.5e10 and hw.peak("fp32") == 1e11  # measured: efficiency 1
+    assert hw.read_bw == 4e10 and hw.peak("fp32") == 2e11  # measured: efficiency 1
     assert hw.intra_node_bw == hw.inter_node_bw == 2e9
     assert "probe.py" in hw.sources["all"]
+    assert (hw.step_overhead_s, hw.sequence_overhead_s, hw.exchange_latency_s) == (2e-3, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize(
+    "busy, bw, flops",
+    [
+        (1.0, 3e10, 1.2e11),  # alone: one thread's
+        (2.0, 2e10, 1e11),  # two on two cores: each half of what all threads reach
+        (4.0, 1e10, 5e10),  # four on two cores: a quarter of the machine each
+        (1.5, 4e10 / 1.5, 1.2e11),  # bandwidth: the shared total; FLOPs: one thread's
+    ],
+)
+def test_a_rank_shares_cores_and_bandwidth(cache, busy, bw, flops):
+    """min(one thread's x min(1, cores / busy), all threads' / busy), hand-computed."""
+    hw = cpu_hardware(busy_threads=busy)
+    assert hw.read_bw == pytest.approx(bw)
+    assert hw.peak("fp32") == pytest.approx(flops)
+
+
+@pytest.mark.parametrize("busy, latency", [(1.0, 1e-4), (2.0, 1e-4), (3.0, 3e-4), (4.0, 5e-4)])
+def test_exchange_latency_grows_with_the_threads_beyond_two(cache, busy, latency):
+    """Measured alone (2 threads busy) and with 2 + cores busy; linear between, hand-computed."""
+    assert cpu_hardware(busy_threads=busy).exchange_latency_s == pytest.approx(latency)

@@ -32,11 +32,12 @@ def test_prefill_rank_is_md1(rho):
 def test_saturated_decode_batch_is_batch_over_step():
     """All requests present at once: throughput = batch / step time."""
     reqs = [Request(10, 101, 0)] * 640
-    last, mean_batch, preempted, end = run_decode(
+    last, mean_batch, preempted, end, busy = run_decode(
         lambda b, c: 0.02, reqs, [0.0] * 640, 64, 10**9, lambda c: 0.0
     )
     assert 640 * 100 / end == pytest.approx(64 / 0.02)
     assert mean_batch == 64 and preempted == 0
+    assert busy == pytest.approx(end)  # saturated: it steps all the time
     assert sorted(set(last)) == pytest.approx([0.02 * 100 * k for k in range(1, 11)])
 
 
@@ -52,7 +53,7 @@ def test_preemption_when_the_cache_is_full():
     """A cache of 3,840 positions for 64 requests growing to 110: the newest are preempted,
     recomputed later, and every request still gets all its tokens."""
     reqs = [Request(10, 101, 0)] * 640
-    last, _, preempted, end = run_decode(
+    last, _, preempted, end, _ = run_decode(
         lambda b, c: 0.02, reqs, [0.0] * 640, 64, 64 * 60, lambda c: 0.1
     )
     assert preempted > 0
