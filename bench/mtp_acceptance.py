@@ -18,6 +18,7 @@ Legend: B prompts, P prompt tokens, N tokens per sequence, T rows, D hidden, V v
 """
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -92,9 +93,16 @@ def greedy_acceptance(
     model: DeepseekForCausalLM, prompts: torch.Tensor, new: int, k: int = MAX_DEPTH
 ) -> dict:
     """prompts [B, P] -> acceptance per depth of chained drafts against greedy decoding."""
-    seqs = greedy_continue(model, prompts, new)  # [B, N]
-    hidden, _ = prenorm_forward(model, seqs)
-    plen, n = prompts.shape[1], seqs.shape[1]
+    return acceptance_on(model, greedy_continue(model, prompts, new), prompts.shape[1], k)
+
+
+def acceptance_on(
+    model: DeepseekForCausalLM, seqs: torch.Tensor, plen: int, k: int = MAX_DEPTH
+) -> dict:
+    """seqs [B, N]: prompts of plen tokens and the main model's greedy continuations -> the
+    acceptance per depth of chained drafts (see the module doc)."""
+    hidden = torch.cat([prenorm_forward(model, c)[0] for c in seqs.split(8)])  # [B, N, D]
+    n, new = seqs.shape[1], seqs.shape[1] - plen
     starts = list(range(plen - 1, n - 1 - k))  # steps whose k targets are greedy tokens
     hits = torch.zeros(k)  # [k] prefixes of accepted drafts
     for b in range(len(seqs)):
@@ -166,6 +174,15 @@ def random_prompts(vocab: int, count: int, length: int, seed: int) -> torch.Tens
     return torch.randint(2, vocab, (count, length), generator=gen)
 
 
+def engine_continue(model: str, prompts: torch.Tensor, new: int) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + new], greedy in the engine (a KV cache: for larger models)."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    outs = LLM(model).generate([p.tolist() for p in prompts], params)
+    return torch.cat([prompts, torch.tensor([o.token_ids for o in outs])], dim=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     from bench.common import record
 
@@ -178,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1, help="of random prompts")
     ap.add_argument("--name", default=None, help="result file name (default from the model)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--engine", action="store_true", help="greedy continuations in the engine")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
@@ -190,7 +208,15 @@ def main(argv: list[str] | None = None) -> None:
     else:
         prompts = random_prompts(model.config.vocab_size, args.count, args.prompt_len, args.seed)
         result["seed"] = args.seed
-    result["greedy"] = greedy_acceptance(model, prompts, args.new)
+    build = Path(args.model) / "build_meta.json"  # tools/small_mtp.py's record of the head
+    if build.exists():
+        result["build"] = json.loads(build.read_text())
+    if args.engine:
+        seqs = engine_continue(args.model, prompts, args.new)
+        result["greedy"] = acceptance_on(model, seqs, args.prompt_len)
+        result["greedy"]["continued_by"] = "engine"
+    else:
+        result["greedy"] = greedy_acceptance(model, prompts, args.new)
     name = args.name or f"mtp_acceptance_{Path(args.model).name}"
     print(record(name, result))
     print(result)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.mtp_acceptance import prenorm_forward, random_prompts
+from bench.mtp_acceptance import engine_continue, prenorm_forward, random_prompts
 from moe import load_model
 from moe.presets import PRESETS, ensure_preset
 from tools.tiny.routing import RouterLoad
@@ -41,10 +41,10 @@ from tools.tiny.train_mtp import build_mtp, mtp_block
 class SmallMtpConfig:
     model: str = "small"
     seed: int = 0
-    prompts: int = 64
+    prompts: int = 32
     prompt_len: int = 16
-    new: int = 112
-    steps: int = 120
+    new: int = 96
+    steps: int = 60
     batch_size: int = 8  # sequences per step
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -61,14 +61,9 @@ class SmallMtpConfig:
 
 def greedy_data(path: Path, cfg: SmallMtpConfig) -> torch.Tensor:
     """The engine's greedy continuations of seeded random prompts -> [B, prompt_len + new]."""
-    from engine import LLM, SamplingParams
-
     vocab = PRESETS[cfg.model]["vocab_size"]
     prompts = random_prompts(vocab, cfg.prompts, cfg.prompt_len, cfg.seed)
-    llm = LLM(str(path))
-    params = SamplingParams(max_tokens=cfg.new, temperature=0, ignore_eos=True)
-    outs = llm.generate([p.tolist() for p in prompts], params)
-    return torch.cat([prompts, torch.tensor([o.token_ids for o in outs])], dim=1)
+    return engine_continue(str(path), prompts, cfg.new)
 
 
 class FrozenShared(nn.Module):
@@ -160,6 +155,7 @@ def build(out: Path, cfg: SmallMtpConfig) -> dict:
         data_seconds = time.perf_counter() - start
         hf_config = transformers.DeepseekV3Config(**PRESETS[cfg.model])
         hf_config._attn_implementation = "sdpa"
+        hf_config._experts_implementation = "eager"  # a standalone block: no dispatch sets it
         embed = model.model.embed_tokens.weight.detach().float().clone()
         head = model.lm_head.weight.detach().float().clone()
         del model
