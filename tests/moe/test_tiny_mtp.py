@@ -98,3 +98,28 @@ def test_held_out_top1_of_the_token_after_next_is_as_recorded():
         MTP["held_out_top1_accuracy"], abs=2e-3
     )
     assert got["mtp_top1_token_after_next"] > 0.2  # far above chance (1/2048): it has learned
+
+
+def test_the_oracle_helper_loads_tiny_with_no_unexpected_keys():
+    """tests/hf_oracle.hf_v3_main_model declares the MTP keys ignorable: transformers' load report
+    lists none of them, where a plain from_pretrained lists layer 4's as UNEXPECTED."""
+    import io
+    import logging
+
+    import transformers
+
+    from tests.hf_oracle import hf_v3_main_model
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        hf_v3_main_model(PATH)
+        helper = buf.getvalue()
+        transformers.DeepseekV3ForCausalLM.from_pretrained(PATH, dtype=torch.float32)
+        plain = buf.getvalue()[len(helper) :]
+    finally:
+        logger.removeHandler(handler)
+    assert "model.layers.4." not in helper and "UNEXPECTED" not in helper
+    assert "model.layers.4.eh_proj.weight" in plain and "UNEXPECTED" in plain
