@@ -139,10 +139,18 @@ def write(out: Path, src: Path, layer: nn.Module, cfg: SmallMtpConfig) -> int:
     return (out / "mtp.safetensors").stat().st_size
 
 
-def build(out: Path, cfg: SmallMtpConfig) -> dict:
-    """Steps 1-4 -> the build's record (config, losses, times, size)."""
+def block_config(model: str) -> object:
+    """transformers' DeepseekV3Config of a random preset, for a standalone MTP block."""
     import transformers
 
+    config = transformers.DeepseekV3Config(**PRESETS[model])
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"  # a standalone block: no dispatch sets it
+    return config
+
+
+def build(out: Path, cfg: SmallMtpConfig) -> dict:
+    """Steps 1-4 -> the build's record (config, losses, times, size)."""
     torch.manual_seed(cfg.seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -153,9 +161,7 @@ def build(out: Path, cfg: SmallMtpConfig) -> dict:
         model = load_model(str(src))
         hidden = torch.cat([prenorm_forward(model, c)[0] for c in seqs.split(8)])  # [B, N, D]
         data_seconds = time.perf_counter() - start
-        hf_config = transformers.DeepseekV3Config(**PRESETS[cfg.model])
-        hf_config._attn_implementation = "sdpa"
-        hf_config._experts_implementation = "eager"  # a standalone block: no dispatch sets it
+        hf_config = block_config(cfg.model)
         embed = model.model.embed_tokens.weight.detach().float().clone()
         head = model.lm_head.weight.detach().float().clone()
         del model

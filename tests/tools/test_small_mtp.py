@@ -6,9 +6,11 @@ from pathlib import Path
 
 import torch
 
+from bench.mtp_acceptance import prenorm_forward, random_prompts
 from moe import load_model
 from moe.presets import ensure_preset
-from tools.small_mtp import SmallMtpConfig, build
+from tools.small_mtp import FrozenShared, SmallMtpConfig, block_config, build
+from tools.tiny.train_mtp import load_mtp_file, mtp_block
 
 CFG = SmallMtpConfig(model="tiny-random", prompts=8, new=8, steps=4, batch_size=4, threads=1)
 
@@ -29,6 +31,20 @@ def test_build_loads_with_its_mtp_layer_and_is_reproducible(tmp_path: Path) -> N
     assert (tmp_path / "a" / "main.safetensors").resolve() == (
         ensure_preset("tiny-random") / "model.safetensors"
     ).resolve()
+
+    # moe/'s MTP path on the build equals the layer as trained (transformers' block)
+    config = block_config(CFG.model)
+    layer = load_mtp_file(tmp_path / "a" / "mtp.safetensors", config)
+    embed, head = built.model.embed_tokens.weight, built.lm_head.weight
+    shared = FrozenShared(config, embed.detach().float().clone(), head.detach().float().clone())
+    ids = random_prompts(config.vocab_size, 1, 30, seed=3)  # [1, 30]
+    hidden, _ = prenorm_forward(built, ids)  # [1, 30, D]
+    with torch.no_grad():
+        out = mtp_block(shared, layer, hidden[:, :-1], ids[:, 1:])
+        expected = shared.lm_head(layer.shared_head.norm(out))[0]  # [29, V]
+    with torch.inference_mode():
+        got = built.mtp_logits(hidden[0, :-1], ids[0, 1:], torch.arange(1, 30), [29])
+    assert (got - expected).abs().max().item() <= 1e-4
 
     build(tmp_path / "b", CFG)
     first = (tmp_path / "a" / "mtp.safetensors").read_bytes()

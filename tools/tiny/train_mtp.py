@@ -141,15 +141,19 @@ def build_mtp(config: Any, seed: int) -> nn.Module:
 
 def load_mtp(path: Path, main: nn.Module) -> nn.Module:
     """The checkpoint's MTP layer as `build_mtp` makes it (fp32, eval): the oracle for moe/'s."""
+    return load_mtp_file(path / "model.safetensors", main.config)
+
+
+def load_mtp_file(file: Path, config: Any) -> nn.Module:
+    """The MTP layer model.layers.{num_hidden_layers}.* of a safetensors file, as `build_mtp`
+    makes it for `config` (a DeepseekV3Config; fp32, eval, frozen)."""
     from safetensors.torch import load_file
 
-    prefix = f"model.layers.{MTP_LAYER}."
+    prefix = f"model.layers.{config.num_hidden_layers}."
     saved = {
-        k[len(prefix) :]: v.float()
-        for k, v in load_file(str(path / "model.safetensors")).items()
-        if k.startswith(prefix)
+        k[len(prefix) :]: v.float() for k, v in load_file(str(file)).items() if k.startswith(prefix)
     }
-    experts = range(MODEL_CONFIG["n_routed_experts"])
+    experts = range(config.n_routed_experts)
     state = {k: v for k, v in saved.items() if ".experts." not in k}
     state["mlp.experts.gate_up_proj"] = torch.stack(
         [
@@ -160,7 +164,7 @@ def load_mtp(path: Path, main: nn.Module) -> nn.Module:
     state["mlp.experts.down_proj"] = torch.stack(
         [saved[f"mlp.experts.{e}.down_proj.weight"] for e in experts]
     )
-    layer = build_mtp(main.config, 0)
+    layer = build_mtp(config, 0)
     layer.load_state_dict(state, strict=True)
     return layer.eval().requires_grad_(False)
 
