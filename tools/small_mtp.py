@@ -84,7 +84,11 @@ class FrozenShared(nn.Module):
 
 
 def train(
-    shared: FrozenShared, layer: nn.Module, hidden: torch.Tensor, seqs: torch.Tensor, cfg
+    shared: FrozenShared,
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    seqs: torch.Tensor,
+    cfg: SmallMtpConfig,
 ) -> list[float]:
     """hidden [B, N, D] pre-norm, seqs [B, N] -> per-step losses; trains `layer` in place."""
     opt = torch.optim.AdamW(layer.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
