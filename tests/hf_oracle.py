@@ -63,3 +63,22 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
             eos_token_id=None,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def hf_v3_main_model(path: Path) -> torch.nn.Module:
+    """transformers' DeepseekV3ForCausalLM from a checkpoint (fp32, eval). transformers does not
+    model the MTP layers (model.layers.{num_hidden_layers + k}.*) and ignores only layer 61's
+    keys by name: this subclass declares the checkpoint's own MTP keys ignorable, so loading a
+    checkpoint with MTP layers reports nothing unexpected and the comparison stays clean."""
+    import json
+
+    import transformers
+
+    config = json.loads((path / "config.json").read_text())
+    first = config["num_hidden_layers"]
+    mtp = [rf"model\.layers\.{first + k}\..*" for k in range(config["num_nextn_predict_layers"])]
+
+    class MainOnly(transformers.DeepseekV3ForCausalLM):
+        _keys_to_ignore_on_load_unexpected = mtp
+
+    return MainOnly.from_pretrained(path, dtype=torch.float32).eval()

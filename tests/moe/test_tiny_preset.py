@@ -17,8 +17,9 @@ from engine import LLM, SamplingParams
 from moe import ModelConfig, load_model, resolve_model_path
 from moe.layers import Gate
 from moe.presets import TRAINED
-from tests.hf_oracle import hf_greedy
+from tests.hf_oracle import hf_greedy, hf_v3_main_model
 from tools.tiny import train as train_tiny
+from tools.tiny.train_mtp import CHECKPOINT_CONFIG
 
 PATH = TRAINED["tiny"]
 META = json.loads((PATH / "training_meta.json").read_text())
@@ -73,12 +74,15 @@ def test_tiny_is_the_packaged_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("EPCLUSTER_CACHE", str(tmp_path))
     assert resolve_model_path("tiny") == PATH
     assert list(tmp_path.iterdir()) == []  # nothing written: it ships with the package
-    assert json.loads((PATH / "config.json").read_text()) == train_tiny.MODEL_CONFIG
+    # the main model's config plus its MTP layer (tools/tiny/train_mtp.py)
+    assert json.loads((PATH / "config.json").read_text()) == CHECKPOINT_CONFIG
     c = ModelConfig.from_file(PATH)  # the DeepSeek-V3 layout
     assert (c.scoring_func, c.topk_method, c.n_shared_experts) == ("sigmoid", "noaux_tc", 1)
     assert c.q_lora_rank and c.first_k_dense_replace == 1 and c.topk_group < c.n_group
     assert c.max_position_embeddings >= 512
-    assert sum(f.stat().st_size for f in PATH.iterdir()) < 4.5 * 2**20
+    assert c.num_nextn_predict_layers == 1
+    # the MTP layer (one MoE block) adds 0.83 MB, 22%, to the main model's 3.77 MB of weights
+    assert sum(f.stat().st_size for f in PATH.iterdir()) < 5 * 2**20
     digest = hashlib.sha256((PATH / "model.safetensors").read_bytes()).hexdigest()
     assert digest == META["model_sha256"]
 
@@ -120,9 +124,7 @@ def test_readability_check_rejects_garbage(llm, vocabulary):
 
 
 def test_our_model_equals_transformers_on_the_checkpoint(llm):
-    import transformers
-
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(PATH, dtype=torch.float32).eval()
+    hf = hf_v3_main_model(PATH)  # the main model: transformers has no MTP layer
     ours = load_model("tiny")
     text = llm.tokenizer.encode('The "import" statement is used to find a module and load it.')
     random = torch.randint(2, 2048, (1, 48), generator=torch.Generator().manual_seed(3))
@@ -141,7 +143,7 @@ def test_routing_on_held_out_text_is_skewed_as_recorded():
     tok = Tokenizer.from_file(str(PATH / "tokenizer.json"))
     held = train_tiny.token_stream(tok, held_docs)  # [N]
     model = load_model("tiny")
-    gates = [m for m in model.modules() if isinstance(m, Gate)]
+    gates = [m for m in model.model.modules() if isinstance(m, Gate)]  # the main layers
     counts = torch.zeros(len(gates), model.config.n_routed_experts)  # [L, E]
 
     def hook(layer: int):

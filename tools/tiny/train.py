@@ -254,30 +254,44 @@ def train(
         torch.set_num_threads(threads)
 
 
+def hf_tensors(
+    state: dict[str, torch.Tensor],
+    prefix: str = "",
+    inter: int = MODEL_CONFIG["moe_intermediate_size"],
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, torch.Tensor]:
+    """transformers' state dict -> the checkpoint's tensors, names prefixed: `dtype` (the gate
+    bias fp32), the fused experts [E, 2 * inter, H] split per expert as DeepSeek publishes them.
+    Rounds `state`'s tensors in place to the saved values, so a model that owns them holds what
+    is committed."""
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, t in state.items():
+            if "rotary_emb" in name:
+                continue
+            if not name.endswith("e_score_correction_bias"):
+                t.copy_(t.to(dtype).float())  # the model now holds what is committed
+                t = t.to(dtype)
+            name = prefix + name
+            stem = name.rsplit(".", 1)[0]
+            if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]
+                for e, w in enumerate(t):
+                    tensors[f"{stem}.{e}.gate_proj.weight"] = w[:inter].contiguous()
+                    tensors[f"{stem}.{e}.up_proj.weight"] = w[inter:].contiguous()
+            elif name.endswith("experts.down_proj"):  # [E, H, I]
+                for e, w in enumerate(t):
+                    tensors[f"{stem}.{e}.down_proj.weight"] = w.contiguous()
+            else:
+                tensors[name] = t.contiguous()
+    return tensors
+
+
 def save(model, tok, out: Path) -> None:
     """config.json, model.safetensors (bf16, per-expert keys as DeepSeek publishes them; the gate
     bias fp32) and tokenizer.json. Rounds `model` in place to the saved weights."""
     from safetensors.torch import save_file
 
-    tensors: dict[str, torch.Tensor] = {}
-    inter = MODEL_CONFIG["moe_intermediate_size"]
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if "rotary_emb" in name:
-                continue
-            if not name.endswith("e_score_correction_bias"):
-                t.copy_(t.bfloat16().float())  # the model now holds what is committed
-                t = t.bfloat16()
-            prefix = name.rsplit(".", 1)[0]
-            if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]
-                for e, w in enumerate(t):
-                    tensors[f"{prefix}.{e}.gate_proj.weight"] = w[:inter].contiguous()
-                    tensors[f"{prefix}.{e}.up_proj.weight"] = w[inter:].contiguous()
-            elif name.endswith("experts.down_proj"):  # [E, H, I]
-                for e, w in enumerate(t):
-                    tensors[f"{prefix}.{e}.down_proj.weight"] = w.contiguous()
-            else:
-                tensors[name] = t.contiguous()
+    tensors = hf_tensors(model.state_dict())
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
