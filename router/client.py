@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.messages import ClusterStatus, ModelInfo, PoolLoad, RebalanceStatus, RequestOutput
 from engine.sampling_params import SamplingParams
 from router import auth
-from router.api import convert
+from router.api import convert, convert_status
 from router.auth import ClientSecurity
 from router.proto import epcluster_pb2 as pb
 from router.proto import epcluster_pb2_grpc as pb_grpc
@@ -84,15 +84,15 @@ class InferenceClient:
 
     def model_info(self) -> ModelInfo:
         msg = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
-        return convert.model_info_from_proto(msg)
+        return convert_status.model_info_from_proto(msg)
 
     def cluster_status(self) -> ClusterStatus:
         msg = self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout)
-        return convert.cluster_status_from_proto(msg)
+        return convert_status.cluster_status_from_proto(msg)
 
     def expert_load(self) -> list[PoolLoad]:
         msg = self.stub.GetExpertLoad(pb.GetExpertLoadRequest(), timeout=self.timeout)
-        return convert.expert_load_from_proto(msg)
+        return convert_status.expert_load_from_proto(msg)
 
     def rebalance(
         self, pool: str | None = None, timeout: float | None = None
@@ -100,7 +100,7 @@ class InferenceClient:
         """Re-place the experts of `pool` (None: both) now; -> each pool's outcome."""
         request = pb.RebalanceRequest(pool=pool) if pool else pb.RebalanceRequest()
         msg = self.stub.Rebalance(request, timeout=timeout or self.timeout)
-        return convert.rebalance_response_from_proto(msg)
+        return convert_status.rebalance_response_from_proto(msg)
 
     def health(self, service: str = "") -> str:
         """The service's status name: SERVING, NOT_SERVING, ... (service "" is the whole
@@ -160,11 +160,11 @@ class AsyncInferenceClient:
 
     async def model_info(self) -> ModelInfo:
         msg = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
-        return convert.model_info_from_proto(msg)
+        return convert_status.model_info_from_proto(msg)
 
     async def cluster_status(self) -> ClusterStatus:
         msg = await self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout)
-        return convert.cluster_status_from_proto(msg)
+        return convert_status.cluster_status_from_proto(msg)
 
     async def health(self, service: str = "") -> str:
         request = health_pb2.HealthCheckRequest(service=service)

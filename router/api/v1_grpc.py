@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from router.api import convert
+from router.api import convert, convert_status
 from router.backend import Unavailable
 from router.frontend import Frontend, Refused, off_loop
 from router.proto import epcluster_pb2 as pb
@@ -56,14 +56,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         await _reject_unknown_fields(request, context)
-        return convert.model_info_to_proto(self.backend.model_info())
+        return convert_status.model_info_to_proto(self.backend.model_info())
 
     async def GetExpertLoad(
         self, request: pb.GetExpertLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExpertLoad:
         await _reject_unknown_fields(request, context)
         try:
-            return convert.expert_load_to_proto(await self.backend.expert_load())
+            return convert_status.expert_load_to_proto(await self.backend.expert_load())
         except Unavailable as e:  # a rank failed: the pool re-forms (not UNKNOWN)
             await context.abort(grpc.StatusCode.UNAVAILABLE, _one_line(e))
 
@@ -80,7 +80,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except Unavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _one_line(e))
-        return convert.rebalance_response_to_proto(results)
+        return convert_status.rebalance_response_to_proto(results)
 
     async def GetClusterStatus(
         self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
@@ -92,7 +92,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _one_line(e))
         status.num_queued = self.frontend.admission.num_requests
         status.num_queued_tokens = self.frontend.admission.num_tokens
-        return convert.cluster_status_to_proto(status)
+        return convert_status.cluster_status_to_proto(status)
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: Refused) -> None:

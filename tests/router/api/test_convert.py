@@ -15,7 +15,7 @@ from engine.messages import (
 from engine.model_info import PromptLimits
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from router.api import convert
+from router.api import convert, convert_status
 from router.proto import epcluster_pb2 as pb
 
 INFO = ModelInfo("m", "deepseek_v3", 300, 16, 3, 16, 4, 1, 480)
@@ -108,13 +108,15 @@ def test_output_round_trip_with_logprobs():
 
 
 def test_model_info_round_trip():
-    assert convert.model_info_from_proto(convert.model_info_to_proto(INFO)) == INFO
+    assert convert_status.model_info_from_proto(convert_status.model_info_to_proto(INFO)) == INFO
     no_eos = ModelInfo("m", "deepseek_v2", 300, 16, 3, 16, 4, None, 480)
-    assert convert.model_info_from_proto(convert.model_info_to_proto(no_eos)) == no_eos
+    assert (
+        convert_status.model_info_from_proto(convert_status.model_info_to_proto(no_eos)) == no_eos
+    )
     served = ModelInfo("m", "deepseek_v3", 300, 16, 3, 16, 4, 1, 480, kernels="cpu-avx2,triton")
-    msg = pb.ModelInfo.FromString(convert.model_info_to_proto(served).SerializeToString())
+    msg = pb.ModelInfo.FromString(convert_status.model_info_to_proto(served).SerializeToString())
     assert msg.kernels == "cpu-avx2,triton"
-    assert convert.model_info_from_proto(msg) == served
+    assert convert_status.model_info_from_proto(msg) == served
 
 
 def test_model_info_kernels_is_a_new_field_on_the_wire():
@@ -123,9 +125,12 @@ def test_model_info_kernels_is_a_new_field_on_the_wire():
     assert pb.ModelInfo.DESCRIPTOR.fields_by_name["kernels"].number == 10
     numbers = {f.name: f.number for f in pb.ModelInfo.DESCRIPTOR.fields}
     assert sorted(numbers.values()) == list(range(1, 11))
-    old = convert.model_info_to_proto(INFO)  # kernels "" is not sent (proto3 default)
+    old = convert_status.model_info_to_proto(INFO)  # kernels "" is not sent (proto3 default)
     assert "kernels" not in {f.name for f, _ in old.ListFields()}
-    assert convert.model_info_from_proto(pb.ModelInfo.FromString(old.SerializeToString())) == INFO
+    assert (
+        convert_status.model_info_from_proto(pb.ModelInfo.FromString(old.SerializeToString()))
+        == INFO
+    )
     with_kernels = pb.ModelInfo(model="m", kernels="triton").SerializeToString()
     assert with_kernels.endswith(bytes([10 << 3 | 2, 6]) + b"triton")
 
@@ -148,7 +153,7 @@ def test_cluster_status_round_trip_and_placement_summary():
     status.pools[1].ranks[1].spec_verifies = 7  # speculative decoding's counters
     status.pools[1].ranks[1].spec_draft_tokens = 14
     status.pools[1].ranks[1].spec_accepted_tokens = 9
-    msg = convert.cluster_status_to_proto(status)
+    msg = convert_status.cluster_status_to_proto(status)
     assert msg.pools[1].ranks[1].spec_accepted_tokens == 9
     assert [p.pool for p in msg.placement] == ["prefill"]  # decode reported no experts
     assert msg.placement[0].layer == 2
@@ -157,11 +162,11 @@ def test_cluster_status_round_trip_and_placement_summary():
         (1, 2, [2, 3]),
     ]
     assert msg.pools[0].ranks[1].kv_usage == pytest.approx(11 / 100)
-    assert convert.cluster_status_from_proto(msg) == status
+    assert convert_status.cluster_status_from_proto(msg) == status
 
     # only the first MoE layer survives the summary
     status.pools[0].ranks[0].expert_ids = {3: [1, 1], 2: [0, 1]}
-    back = convert.cluster_status_from_proto(convert.cluster_status_to_proto(status))
+    back = convert_status.cluster_status_from_proto(convert_status.cluster_status_to_proto(status))
     assert back.pools[0].ranks[0].expert_ids == {2: [0, 1]}
 
 
