@@ -25,6 +25,11 @@ class SpeculativeConfig:
 
     method: str = "mtp"
     num_draft_tokens: int = 1
+    # speculate only in steps that start with at most this many running requests (None:
+    # always): a large batch already reads each weight once for many tokens, and verifying
+    # drafts there costs compute that plain decoding would spend on tokens (vLLM's
+    # speculative_disable_by_batch_size)
+    max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         # NOTE: named by the field alone: the cluster's config names it speculative.<field>
@@ -33,6 +38,9 @@ class SpeculativeConfig:
         k = self.num_draft_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 3:
             raise EngineConfigError("num_draft_tokens", "must be 1, 2 or 3", k)
+        m = self.max_batch_size
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise EngineConfigError("max_batch_size", "must be a whole number >= 1 or null", m)
 
 
 class EngineConfigError(ValueError):

@@ -278,7 +278,8 @@ class LLMEngine(EngineReports):
             if batch.is_empty:
                 return StepResult()
             self._stepping = batch.requests
-            result = self.postprocess(batch, self.runner.run(batch.requests, batch.num_new_tokens))
+            sampled = self.runner.run(batch.requests, batch.num_new_tokens, False, batch.speculate)
+            result = self.postprocess(batch, sampled)
             self._stepping = []
             self._offer_filled()
             self._record_step(started, batch, None)
@@ -302,7 +303,7 @@ class LLMEngine(EngineReports):
         # NOTE: set after the agreement: a rank whose all-reduce fails (a peer died) has no
         # suspects of its own.
         self._stepping = batch.requests
-        sampled = self.runner.run(batch.requests, batch.num_new_tokens, split)
+        sampled = self.runner.run(batch.requests, batch.num_new_tokens, split, batch.speculate)
         result = self.postprocess(batch, sampled) if batch.requests else StepResult()
         self._stepping = []
         self._offer_filled()

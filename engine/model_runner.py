@@ -200,9 +200,16 @@ class ModelRunner:
         return torch.cat(out)
 
     @torch.inference_mode()
-    def run(self, requests: list[Request], num_new: list[int], split: bool = False) -> RunOutput:
+    def run(
+        self,
+        requests: list[Request],
+        num_new: list[int],
+        split: bool = False,
+        speculate: bool = True,
+    ) -> RunOutput:
         """Compute the step; sample for requests whose prompt is complete after it (in order of
-        `requests`, skipping unfinished prefill chunks).
+        `requests`, skipping unfinished prefill chunks). speculate False: a step without drafts
+        (the scheduler gave none) whose MTP layer rests; the requests' old drafts are dropped.
 
         NOTE: a request whose inputs cannot be built, or whose row cannot be sampled, fails
         alone (RunOutput.failed): the step goes on for the others, with the same tokens they
@@ -210,7 +217,10 @@ class ModelRunner:
         An exception in the forward pass itself (a collective, the model) still ends the step.
         """
         out = RunOutput()
-        spec = self.drafter is not None
+        spec = self.drafter is not None and speculate
+        if self.drafter is not None and not speculate:  # stale by the next speculating step
+            for req in requests:
+                req.draft_token_ids, req.draft_hidden = [], None
         if spec:  # d_2 .. d_k: the verify's input
             self.drafter.chain(requests, _num_drafts(requests, num_new))
         # NOTE: the decode graphs give normed states of one row per request: not a verify's

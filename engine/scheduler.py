@@ -7,7 +7,8 @@ seats and KV blocks last. When a running request cannot get a block, the most re
 running request is preempted: its blocks are freed and it recomputes later (same tokens: sampling
 depends only on seed and position). With speculative decoding a decode verifies its drafts: it
 costs 1 + k tokens, k capped by the drafts it has, the tokens it may still produce, the context
-and the budget.
+and the budget; a step that starts with more running requests than speculative.max_batch_size
+decodes without drafts (and the MTP layer rests).
 """
 
 from collections import deque
@@ -23,6 +24,7 @@ from engine.request import Request, Status
 class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]  # tokens each request computes this step
+    speculate: bool = False  # the MTP layer drafts in this step (decodes may verify drafts)
 
     @property
     def is_empty(self) -> bool:
@@ -58,15 +60,18 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
-        batch = ScheduledBatch([], [])
+        spec = self.config.speculative
+        batch = ScheduledBatch([], [], spec is not None)
+        if spec is not None and spec.max_batch_size is not None:
+            batch.speculate = len(self.running) <= spec.max_batch_size
         # 1. Running requests, oldest first; preempt the youngest when blocks run out.
         queue = sorted(self.running, key=lambda r: r.arrival)
         kept: list[Request] = []
         while queue and budget > 0:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n == req.num_tokens - req.num_computed_tokens == 1:  # a decode
-                n += self._num_drafts(req, budget - 1)
+            if n == req.num_tokens - req.num_computed_tokens == 1 and batch.speculate:
+                n += self._num_drafts(req, budget - 1)  # a decode that verifies drafts
             # NOTE: `while ... else`: the else runs only when append_slots succeeded (the loop
             # ended without a break); a request that had to preempt itself breaks out and is
             # neither kept nor batched. Preempting the youngest first keeps FCFS order.

@@ -24,12 +24,18 @@ def test_speculative_in_the_engine_section_with_the_default_k_and_a_flag():
     assert config.engine_config("decode").speculative == SpeculativeConfig("mtp", 1)
     flag = ClusterConfig.load(None, {"decode.engine.speculative.num_draft_tokens": 3})
     assert flag.engine_config("decode").speculative == SpeculativeConfig("mtp", 3)
+    gated = ClusterConfig.from_dict({"engine": {"speculative": {"max_batch_size": 8}}})
+    assert gated.engine_config("decode").speculative == SpeculativeConfig("mtp", 1, 8)
 
 
 BAD = {
     "k too large": (
         {"decode": {"engine": {"speculative": {"num_draft_tokens": 4}}}},
         "decode.engine.speculative.num_draft_tokens must be 1, 2 or 3 (got 4)",
+    ),
+    "max batch size": (
+        {"decode": {"engine": {"speculative": {"max_batch_size": 0}}}},
+        "decode.engine.speculative.max_batch_size must be a whole number >= 1 or null (got 0)",
     ),
     "method": (
         {"engine": {"speculative": {"method": "eagle"}}},

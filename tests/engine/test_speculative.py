@@ -153,6 +153,39 @@ def test_oracle_drafts_are_all_accepted(ckpt: Path, temperature: float) -> None:
     assert 0 < p.num_accepted_tokens < p.num_draft_tokens
 
 
+def test_no_drafts_in_steps_above_max_batch_size(ckpt: Path) -> None:
+    """speculative.max_batch_size 3: a step that starts with more running requests verifies
+    nothing and runs no MTP layer; once 3 or fewer run, drafting resumes within a step (oracle
+    drafts: all accepted); the tokens are the plain engine's throughout."""
+    batch = prompts(6, 4, 20, seed=8)
+    params = mixed_params(6, 0.9)  # max_tokens 8 .. 20: the batch shrinks as they finish
+    want = outputs(LLM(str(ckpt), block_size=BS), batch, params)
+    llm = LLM(str(ckpt), block_size=BS, speculative=SpeculativeConfig("mtp", 2, max_batch_size=3))
+    with_oracle(llm, batch, want)
+    e, steps = llm.engine, []
+    mtp_calls = []
+    step, run_mtp = e.step, e.runner.drafter._run
+
+    def counted_step():  # -> (requests running as the step starts, verifies, MTP calls)
+        running, verifies, calls = len(e.scheduler.running), e.num_spec_verifies, len(mtp_calls)
+        result = step()
+        steps.append((running, e.num_spec_verifies - verifies, len(mtp_calls) - calls))
+        return result
+
+    def counted_mtp(*args, **kwargs):
+        mtp_calls.append(1)
+        return run_mtp(*args, **kwargs)
+
+    e.step, e.runner.drafter._run = counted_step, counted_mtp
+    assert outputs(llm, batch, params) == want
+    crowded = [s for s in steps if s[0] > 3]
+    few = [s for s in steps if 0 < s[0] <= 3]
+    assert crowded and few  # both kinds of step happened
+    assert all(verifies == 0 and calls == 0 for _, verifies, calls in crowded)
+    assert sum(verifies for _, verifies, _ in few) > 0
+    assert e.num_accepted_tokens == e.num_draft_tokens > 0  # the oracle's: none stale
+
+
 def test_stops_and_max_tokens_inside_an_accepted_run(ckpt: Path) -> None:
     """A stop id, a stop string or max_tokens falling inside a run of accepted drafts ends the
     request there: not one token past it, the same text and finish reason."""
@@ -313,7 +346,14 @@ def test_off_without_an_mtp_layer(caplog: pytest.LogCaptureFixture) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(num_draft_tokens=0), dict(num_draft_tokens=4), dict(method="eagle")]
+    "bad",
+    [
+        dict(num_draft_tokens=0),
+        dict(num_draft_tokens=4),
+        dict(method="eagle"),
+        dict(max_batch_size=0),
+        dict(max_batch_size=2.5),
+    ],
 )
 def test_speculative_config_is_checked(bad: dict) -> None:
     with pytest.raises(EngineConfigError, match=next(iter(bad))):
