@@ -28,6 +28,7 @@ import torch
 
 from bench.common import record, workload
 from engine import EngineConfig, SamplingParams
+from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 
 PROBE_GIB = 0.25  # the probes between decode windows: ~10 ms each at 40 GB/s
@@ -117,7 +118,7 @@ def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int, window: int 
     start = time.perf_counter()
     for i, (prompt, _) in enumerate(requests):
         engine.add_request(f"{seed}-{i}", prompt, params)
-    tokens = {f"{seed}-{i}": 0 for i in range(batch)}
+    tokens: dict[str, list[int]] = {f"{seed}-{i}": [] for i in range(batch)}
     first_all = None
     decode_steps, experts_per_step, probes, probing_s = [], [], [], 0.0
     while engine.has_unfinished():
@@ -131,14 +132,14 @@ def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int, window: int 
         out = engine.step().outputs
         t1 = time.perf_counter()
         for delta in out:
-            tokens[delta.request_id] += len(delta.token_ids)
+            tokens[delta.request_id] += delta.token_ids
         if first_all is not None:
             decode_steps.append(t1 - t0)
             experts_per_step.append(sum(used_experts(engine.model)))
         elif all(tokens.values()):
             first_all = t1
     end = time.perf_counter()
-    assert all(n == 128 for n in tokens.values()), tokens
+    assert all(len(t) == 128 for t in tokens.values()), {r: len(t) for r, t in tokens.items()}
     probes.append(read_bandwidth(PROBE_GIB, repeats=2))
     windows = [
         (statistics.median(decode_steps[i : i + window]), max(probes[k], probes[k + 1]))
@@ -150,12 +151,29 @@ def run_batch(engine: LLMEngine, batch: int, vocab: int, seed: int, window: int 
         "decode_step_ms_median": statistics.median(decode_steps) * 1e3,
         "experts_used_per_step": statistics.median(experts_per_step),
         "windows": windows,
+        "tokens": tokens,  # request id -> its 128 output tokens
     }
 
 
-def batch_arguments(doc: str, default_name: str) -> argparse.Namespace:
-    """The command line of the decode benchmarks (this one and bench.vs_llama_cpp)."""
+def batch_arguments(doc: str, default_name: str, speculative: bool = False) -> argparse.Namespace:
+    """The command line of the decode benchmarks (this one and bench.vs_llama_cpp;
+    speculative: the options of MTP speculative decoding too)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if speculative:
+        ap.add_argument(
+            "--draft-tokens", type=int, nargs="+", default=[0],
+            help="MTP draft tokens per step to run the engine with (0: off), side by side",
+        )  # fmt: skip
+        ap.add_argument(
+            "--mtp-model",
+            help="the checkpoint with an MTP layer for draft tokens > 0 (default: small's "
+            "self-distilled head, built once by tools.small_mtp, or the model itself)",
+        )
+        ap.add_argument(
+            "--oracle-acceptance", type=float,
+            help="also run each k > 0 with a drafter right at this seeded fraction of positions "
+            "(knowing the plain run's tokens): the speed at that acceptance, e.g. 0.85",
+        )  # fmt: skip
     ap.add_argument("--model", default="small")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--threads", type=int, default=2)
@@ -171,12 +189,14 @@ def batch_arguments(doc: str, default_name: str) -> argparse.Namespace:
     return args
 
 
-def decode_engine(model: str, python_layers: bool = False) -> LLMEngine:
+def decode_engine(
+    model: str, python_layers: bool = False, speculative: SpeculativeConfig | None = None
+) -> LLMEngine:
     """An engine for up to 64 requests of 128 + 128 tokens, no prefix caching (python_layers:
-    the fused decode layers off)."""
+    the fused decode layers off; speculative: MTP drafts, the checkpoint must have its layer)."""
     engine = LLMEngine(
         EngineConfig(model=model, max_num_seqs=64, max_num_batched_tokens=4096,
-                     enable_prefix_caching=False)
+                     enable_prefix_caching=False, speculative=speculative)
     )  # fmt: skip
     if python_layers:
         engine.runner.cpu_decode = None  # the runner's choice: the Python layers

@@ -11,11 +11,19 @@ CPU flags, Release; the checkpoint is converted with its convert_hf_to_gguf.py, 
 preset's tokenizer pre-tokenizes like "default" (its hash is not in llama.cpp's list; the bench
 feeds token ids, never text).
 
+With --draft-tokens 0 1 2 the engine runs once per k in the same alternation, k > 0 with MTP
+speculative decoding (docs/mtp.md) on a checkpoint with an MTP layer (small's self-distilled
+head, tools/small_mtp.py, or --mtp-model); every k decodes the same prompts to the same tokens
+(speculation is lossless), and the acceptance of each run is recorded beside its speed.
+
     .venv/bin/python -m bench.vs_llama_cpp [--model small] [--batches 1 8 32] [--repeats 3]
+        [--draft-tokens 0 1 2] [--mtp-model PATH]
 """
 
+import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -23,12 +31,17 @@ import sys
 import tarfile
 from pathlib import Path
 
+import torch
+
 from bench.common import record
 from bench.decode_speed import batch_arguments, decode_engine, read_bandwidth, run_batch
+from engine.config import SpeculativeConfig
+from engine.llm_engine import LLMEngine
 from moe.loader import resolve_model_path
 from moe.presets import cache_root
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp is built
+PROMPT_TOKENS = 128  # bench.decode_speed.run_batch's prompts
 
 CONVERT = """
 import runpy, sys
@@ -88,58 +101,160 @@ def llama_batched_bench(src: Path, gguf: Path, batch: int, threads: int) -> dict
     return row
 
 
+def mtp_checkpoint(args: argparse.Namespace) -> str:
+    """The checkpoint the speculating engines load: --mtp-model, small's self-distilled head
+    (built once into the cache), or the model itself (tiny ships its trained head)."""
+    if args.mtp_model:
+        return args.mtp_model
+    if args.model == "small":
+        from tools.small_mtp import ensure_small_mtp
+
+        return str(ensure_small_mtp())
+    return args.model
+
+
+class Oracle:
+    """A drafter that knows the plain engine's tokens and proposes the right one at a seeded
+    fraction `p` of positions (a function of request id and position), a wrong one elsewhere:
+    the verify path's speed at a given acceptance, e.g. DeepSeek-V3's published 85%."""
+
+    def __init__(self, expected: dict[str, list[int]], p: float, vocab: int) -> None:
+        self.expected, self.p, self.vocab = expected, p, vocab
+
+    def __call__(self, logits: torch.Tensor, reqs: list, positions: list[int]) -> list[int]:
+        out = []
+        for req, pos in zip(reqs, positions):
+            tokens, i = self.expected[req.request_id], pos - PROMPT_TOKENS
+            right = tokens[i] if 0 <= i < len(tokens) else 1
+            if random.Random(f"{req.request_id}/{pos}").random() < self.p:
+                out.append(right)
+            else:
+                out.append((right + 1) % self.vocab)
+        return out
+
+
+def engine_pair(
+    engine: LLMEngine, batch: int, vocab: int, seed: int, want: dict | None = None
+) -> dict:
+    """One engine's run of a batch -> its decode and prefill tok/s (and, speculating, the
+    acceptance and tokens per verify step of this run); want: the plain engine's tokens of
+    this batch, which every speculating run must equal (lossless)."""
+    drafts, accepted, verifies = (
+        engine.num_draft_tokens, engine.num_accepted_tokens, engine.num_spec_verifies
+    )  # fmt: skip
+    ours = run_batch(engine, batch, vocab, seed=seed)
+    if want is not None:
+        assert ours["tokens"] == want, "speculative decoding changed the tokens"
+    row = {
+        "decode_tok_s": round(batch * 127 / ours["decode_s"], 1),
+        "prefill_tok_s": round(batch * 128 / ours["prefill_s"], 1),
+        "tokens": ours["tokens"],  # dropped before the record
+    }
+    if engine.config.speculative is not None:
+        drafts = engine.num_draft_tokens - drafts
+        accepted = engine.num_accepted_tokens - accepted
+        verifies = engine.num_spec_verifies - verifies
+        row["acceptance"] = round(accepted / max(drafts, 1), 3)
+        row["tokens_per_verify"] = round(1 + accepted / max(verifies, 1), 3)
+    return row
+
+
 def main() -> None:
-    args = batch_arguments(__doc__, "vs_llama_cpp_MODEL")
+    args = batch_arguments(__doc__, "vs_llama_cpp_MODEL", speculative=True)
     root = cache_root() / "llama.cpp"
     src = build_llama_cpp(root)
     checkpoint = Path(resolve_model_path(args.model))
     gguf = convert(src, checkpoint, root / f"{checkpoint.name}-f32.gguf")
-    engine = decode_engine(args.model, args.python_layers)
-    vocab = engine.model.config.vocab_size
-    run_batch(engine, 2, vocab, seed=999)  # warm-up
+    ks = sorted(set(args.draft_tokens))
+    if args.oracle_acceptance is not None and 0 not in ks:
+        sys.exit("--oracle-acceptance needs --draft-tokens 0 (the plain run's tokens)")
+    mtp = mtp_checkpoint(args) if any(ks) else None
+    engines = {
+        k: decode_engine(
+            args.model if k == 0 else mtp,
+            args.python_layers,
+            SpeculativeConfig("mtp", k) if k else None,
+        )
+        for k in ks
+    }
+    vocab = engines[ks[0]].model.config.vocab_size
+    for engine in engines.values():
+        run_batch(engine, 2, vocab, seed=999)  # warm-up
     llama_batched_bench(src, gguf, 1, args.threads)  # warm-up (page cache)
     runs: dict[int, list[dict]] = {b: [] for b in args.batches}
     for repeat in range(args.repeats):
         for batch in args.batches:
             bandwidth = read_bandwidth()
             theirs = llama_batched_bench(src, gguf, batch, args.threads)
-            ours = run_batch(engine, batch, vocab, seed=batch * 10 + repeat)
             pair = {
                 "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
                 "llama_cpp_decode_tok_s": round(theirs["speed_tg"], 1),
-                "engine_decode_tok_s": round(batch * 127 / ours["decode_s"], 1),
                 "llama_cpp_prefill_tok_s": round(theirs["speed_pp"], 1),
-                "engine_prefill_tok_s": round(batch * 128 / ours["prefill_s"], 1),
             }
-            pair["engine_over_llama_cpp"] = round(
-                pair["engine_decode_tok_s"] / pair["llama_cpp_decode_tok_s"], 2
-            )
+            # the same prompts for every k (a function of the seed): the same greedy tokens
+            want, seed = None, batch * 10 + repeat
+            for k, engine in engines.items():
+                runs_of_k = [(f"engine_k{k}", None)]
+                if k and args.oracle_acceptance is not None:
+                    runs_of_k.append((f"engine_k{k}_oracle", args.oracle_acceptance))
+                for name, p in runs_of_k:
+                    drafter = engine.runner.drafter
+                    own = drafter.propose if drafter is not None else None
+                    if p is not None:
+                        drafter.propose = Oracle(want, p, vocab)
+                    try:
+                        ours = engine_pair(engine, batch, vocab, seed, want)
+                    finally:
+                        if p is not None:
+                            drafter.propose = own
+                    want = want or ours["tokens"]  # k = 0 runs first
+                    del ours["tokens"]
+                    ours["over_llama_cpp"] = round(
+                        ours["decode_tok_s"] / pair["llama_cpp_decode_tok_s"], 2
+                    )
+                    pair[name] = ours
             runs[batch].append(pair)
             print(batch, pair, flush=True)
     rows = {}
     for batch, pairs in runs.items():
 
-        def span(key: str, pairs=pairs) -> list[float]:
-            values = [p[key] for p in pairs]
+        def span(values: list[float]) -> list[float]:
             return [min(values), statistics.median(values), max(values)]
 
-        rows[str(batch)] = {
+        row = {
             "pairs": pairs,
-            "llama_cpp_decode_tok_s_min_median_max": span("llama_cpp_decode_tok_s"),
-            "engine_decode_tok_s_min_median_max": span("engine_decode_tok_s"),
-            "engine_over_llama_cpp_min_median_max": span("engine_over_llama_cpp"),
-            "prefill_engine_over_llama_cpp_median": round(
-                statistics.median(p["engine_prefill_tok_s"] for p in pairs)
-                / statistics.median(p["llama_cpp_prefill_tok_s"] for p in pairs),
-                2,
+            "llama_cpp_decode_tok_s_min_median_max": span(
+                [p["llama_cpp_decode_tok_s"] for p in pairs]
             ),
         }
+        names = [n for n in pairs[0] if n.startswith("engine_k")]
+        for name in names:
+            k = int(name.split("_")[1][1:])
+            mine = [p[name] for p in pairs]
+            row[name] = {
+                "decode_tok_s_min_median_max": span([m["decode_tok_s"] for m in mine]),
+                "over_llama_cpp_min_median_max": span([m["over_llama_cpp"] for m in mine]),
+                "prefill_over_llama_cpp_median": round(
+                    statistics.median(m["prefill_tok_s"] for m in mine)
+                    / statistics.median(p["llama_cpp_prefill_tok_s"] for p in pairs),
+                    2,
+                ),
+            }
+            if k:
+                row[name]["acceptance_median"] = statistics.median(m["acceptance"] for m in mine)
+                row[name]["tokens_per_verify_median"] = statistics.median(
+                    m["tokens_per_verify"] for m in mine
+                )
+        rows[str(batch)] = row
     result = {
         "model": args.model,
+        "mtp_model": mtp,
+        "draft_tokens": ks,
+        "oracle_acceptance": args.oracle_acceptance,
         "threads": args.threads,
         "fused_decode_layers": not args.python_layers,
         "llama_cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist's llama.cpp, GGUF F32, "
-        "llama-batched-bench defaults (f16 KV cache, flash attention auto)",
+        "llama-batched-bench defaults (f16 KV cache, flash attention auto), no speculation",
         "batches": rows,
     }
     print(record(args.name or f"vs_llama_cpp_{args.model}", result))
