@@ -55,14 +55,14 @@ INITS = ("random", "identity", "layer")
 class SmallMtpConfig:
     model: str = "small"
     seed: int = 0
-    prompts: int = 256
+    prompts: int = 1024
     prompt_len: int = 16
     new: int = 112
     init: str = "identity"
     init_layer: int = 7  # the main (MoE) layer the block copies when init is "layer"
-    steps: int = 150
+    steps: int = 130  # about one pass over the rows
     batch_size: int = 8  # sequences per step
-    lr: float = 3e-4
+    lr: float = 1e-4
     warmup_steps: int = 20
     weight_decay: float = 0.0
     grad_clip: float = 1.0
