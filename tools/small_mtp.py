@@ -46,7 +46,7 @@ from moe import DeepseekForCausalLM, load_model
 from moe.presets import PRESETS, cache_root, ensure_preset
 from tools.tiny.routing import RouterLoad
 from tools.tiny.train import hf_tensors
-from tools.tiny.train_mtp import build_mtp, mtp_block
+from tools.tiny.train_mtp import block_state, build_mtp, mtp_block
 
 INITS = ("random", "identity", "layer")
 
@@ -113,24 +113,6 @@ class FrozenShared(nn.Module):
         self.model.rotary_emb = DeepseekV3RotaryEmbedding(hf_config)
         self.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False)
         self.lm_head.weight = nn.Parameter(head, requires_grad=False)
-
-
-def block_state(tensors: dict[str, torch.Tensor], layer: int, experts: int) -> dict:
-    """Main layer `layer`'s tensors of a checkpoint (HF names, per-expert) -> the state dict of
-    transformers' decoder block (fused experts [E, 2I, D] and [E, D, I])."""
-    prefix = f"model.layers.{layer}."
-    saved = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-    state = {k: v for k, v in saved.items() if ".experts." not in k}
-    state["mlp.experts.gate_up_proj"] = torch.stack(
-        [
-            torch.cat([saved[f"mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up")])
-            for e in range(experts)
-        ]
-    )
-    state["mlp.experts.down_proj"] = torch.stack(
-        [saved[f"mlp.experts.{e}.down_proj.weight"] for e in range(experts)]
-    )
-    return state
 
 
 @torch.no_grad()
