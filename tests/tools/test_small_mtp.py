@@ -132,6 +132,18 @@ def test_build_loads_with_its_mtp_layer_and_is_reproducible(tmp_path: Path) -> N
     assert first == (tmp_path / "b" / "mtp.safetensors").read_bytes()
 
 
+def test_a_build_of_no_steps_is_the_identity_init(tmp_path: Path) -> None:
+    """steps 0 (the default): no data, the head drafts the main model's own guess at i."""
+    record = build(tmp_path, replace(CFG, steps=0))
+    assert record["rows"] == 0 and record["losses"] == [] and record["final_loss"] is None
+    built = load_model(str(tmp_path))
+    ids = random_prompts(built.config.vocab_size, 1, 25, seed=4)  # [1, 25]
+    hidden, logits = prenorm_forward(built, ids)
+    with torch.inference_mode():
+        got = built.mtp_logits(hidden[0, :-1], ids[0, 1:], torch.arange(1, 25), [24])
+    assert (got - logits[0, :-1]).abs().max().item() <= 1e-4
+
+
 def test_ensure_small_mtp_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EPCLUSTER_CACHE", str(tmp_path))
     path = ensure_small_mtp(CFG)
