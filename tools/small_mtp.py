@@ -1,26 +1,40 @@
 """Build an MTP head for `small` (random weights: no text to learn) by self-distillation: one
-DeepSeek-V3 MTP layer trained on the main model's own greedy continuations of seeded random
-prompts, written with the main checkpoint into a directory that loads like any checkpoint.
+DeepSeek-V3 MTP layer trained to predict the main model's own next token after next, written with
+the main checkpoint into a directory that loads like any checkpoint.
 
     .venv/bin/python -m tools.small_mtp --out /tmp/small-mtp     (then bench.mtp_acceptance)
+    ensure_small_mtp()                                            (the cached build, v{version})
 
-Step 1: `prompts` seeded random prompts of `prompt_len` tokens, each continued greedily by
-`new` tokens in the engine (temperature 0, ignore_eos). Step 2: the main model's last hidden
-state before its final norm over every sequence (moe/, one forward). Step 3: the MTP layer
+Step 1: `prompts` seeded random prompts of `prompt_len` tokens, each continued greedily by `new`
+tokens in the engine (temperature 0, ignore_eos): the sequences speculation sees. Step 2: one
+teacher-forced forward of the main model over every sequence (moe/) gives, at every position i,
+h_i (its last hidden state before the final norm) and the target y_i = argmax(logits_i), the main
+model's own next token after t_i: row i of the MTP layer, (h_i, t_{i+1}), learns y_{i+1}, which
+is what a draft must match at decode time. Every row counts, the prompt's too (its targets are
+the main model's guesses, not the random prompt's next token). Step 3: the MTP layer
 (tools/tiny/train_mtp.py's: transformers' decoder block plus enorm, hnorm, eh_proj,
-shared_head.norm; embedding and head the main model's, frozen) learns t_{i+2} from
-(h_i, t_{i+1}) on the rows whose target is a greedy token (cross-entropy: the greedy token is
-the main model's argmax, so this is distillation of its top choice). Step 4: out/ holds
-config.json (num_nextn_predict_layers 1), tokenizer.json, mtp.safetensors (the layer, fp32 as
-small is) and model.safetensors.index.json mapping the main tensors to a link to the preset's
-own file. Deterministic for a config: the prompts, initial weights and batches are seeded.
+shared_head.norm; embedding and head the main model's, frozen) starts as `init` says and learns
+by cross-entropy on y. Step 4: out/ holds config.json (num_nextn_predict_layers 1),
+tokenizer.json, mtp.safetensors (the layer, fp32 as small is) and model.safetensors.index.json
+mapping the main tensors to a link to the preset's own file. Deterministic for a config: the
+prompts, initial weights and batches are seeded.
 
-Legend: B sequences, N tokens per sequence, D hidden, V vocab.
+Inits (docs/mtp.md has what each gave on held-out prompts): "random" (std 0.02, the tiny
+recipe's), "identity" (eh_proj passes hnorm(h_i) through and the block's residual branches start
+at zero: the head starts as the main model's own guess at i, i.e. a draft that repeats t_{i+1}),
+"layer" (the block a copy of main layer `init_layer`, eh_proj passing hnorm(h_i) through).
+The default, v3, is "identity" with steps 0 (no data, no training): held out, no training tried
+beat it at depths 2-3; `--steps 130` is v2, the self-distilled head.
+
+Legend: B sequences, N tokens per sequence, D hidden, V vocab, E routed experts.
 """
 
 import argparse
+import hashlib
 import json
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,33 +44,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.mtp_acceptance import engine_continue, prenorm_forward, random_prompts
-from moe import load_model
-from moe.presets import PRESETS, ensure_preset
+from moe import DeepseekForCausalLM, load_model
+from moe.presets import PRESETS, cache_root, ensure_preset
 from tools.tiny.routing import RouterLoad
 from tools.tiny.train import hf_tensors
-from tools.tiny.train_mtp import build_mtp, mtp_block
+from tools.tiny.train_mtp import block_state, build_mtp, mtp_block
+
+INITS = ("random", "identity", "layer")
 
 
 @dataclass(frozen=True, slots=True)
 class SmallMtpConfig:
     model: str = "small"
     seed: int = 0
-    prompts: int = 32
+    prompts: int = 1024
     prompt_len: int = 16
-    new: int = 96
-    steps: int = 60
+    new: int = 112
+    init: str = "identity"
+    init_layer: int = 7  # the main (MoE) layer the block copies when init is "layer"
+    steps: int = 0  # none: held out, training did not beat the identity (docs/mtp.md); 130 = v2
     batch_size: int = 8  # sequences per step
-    lr: float = 2e-3
-    weight_decay: float = 0.1
+    lr: float = 1e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
     grad_clip: float = 1.0
     bias_update_rate: float = 1e-4
     threads: int = 2
-    version: int = 1
+    version: int = 3  # bump when the recipe's output changes
 
     def __post_init__(self) -> None:
         assert self.model in PRESETS, self.model
         assert self.prompts >= self.batch_size >= 1 and self.prompt_len >= 1 and self.new >= 2
-        assert self.steps >= 1 and self.lr > 0 and self.threads >= 1
+        assert self.steps >= 0 and self.lr > 0 and self.threads >= 1 and self.warmup_steps >= 0
+        assert self.init in INITS, self.init
+        raw = PRESETS[self.model]  # the block is an MoE layer: it copies an MoE layer
+        moe_layers = range(raw["first_k_dense_replace"], raw["num_hidden_layers"])
+        assert self.init != "layer" or self.init_layer in moe_layers, self.init_layer
 
 
 def greedy_data(path: Path, cfg: SmallMtpConfig) -> torch.Tensor:
@@ -64,6 +87,17 @@ def greedy_data(path: Path, cfg: SmallMtpConfig) -> torch.Tensor:
     vocab = PRESETS[cfg.model]["vocab_size"]
     prompts = random_prompts(vocab, cfg.prompts, cfg.prompt_len, cfg.seed)
     return engine_continue(str(path), prompts, cfg.new)
+
+
+def teacher(model: DeepseekForCausalLM, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """seqs [B, N] -> (h [B, N, D] the main model's last hidden state before its final norm,
+    y [B, N] its argmax at every position: y_i is its own token after t_i), teacher-forced."""
+    hidden, targets = [], []
+    for chunk in seqs.split(8):
+        h, logits = prenorm_forward(model, chunk)  # [b, N, D], [b, N, V]
+        hidden.append(h.clone())
+        targets.append(logits.argmax(-1))
+    return torch.cat(hidden), torch.cat(targets)
 
 
 class FrozenShared(nn.Module):
@@ -83,28 +117,62 @@ class FrozenShared(nn.Module):
         self.lm_head.weight = nn.Parameter(head, requires_grad=False)
 
 
+@torch.no_grad()
+def init_layer(layer: nn.Module, cfg: SmallMtpConfig, main_file: Path) -> None:
+    """Sets `layer` (build_mtp's, random) as cfg.init says (see the module doc)."""
+    if cfg.init == "random":
+        return
+    size = layer.eh_proj.weight.shape[0]
+    # [enorm(e) | hnorm(h)] -> hnorm(h): the block starts from the main model's own state at i
+    layer.eh_proj.weight.copy_(torch.cat([torch.zeros(size, size), torch.eye(size)], dim=1))
+    if cfg.init == "identity":
+        # NOTE: zero residual branches: the block's output is its input, so the head's first
+        # guess is the main model's at i; their weights still get gradients (from the input)
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.experts.down_proj.zero_()
+        layer.mlp.shared_experts.down_proj.weight.zero_()
+        return
+    from safetensors.torch import load_file
+
+    experts = PRESETS[cfg.model]["n_routed_experts"]
+    state = block_state(load_file(str(main_file)), cfg.init_layer, experts)
+    missing, unexpected = layer.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert all(k.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head") for k in missing)
+
+
 def train(
-    shared: FrozenShared,
+    shared: "FrozenShared",
     layer: nn.Module,
     hidden: torch.Tensor,
     seqs: torch.Tensor,
+    targets: torch.Tensor,
     cfg: SmallMtpConfig,
 ) -> list[float]:
-    """hidden [B, N, D] pre-norm, seqs [B, N] -> per-step losses; trains `layer` in place."""
-    opt = torch.optim.AdamW(layer.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
+    """hidden [B, N, D] pre-norm, seqs [B, N], targets [B, N] (the main model's argmax at each
+    position) -> per-step losses; trains `layer` in place: row i = (h_i, t_{i+1}) learns
+    targets_{i+1}, every row of a sequence."""
+    decay = [p for p in layer.parameters() if p.dim() >= 2]
+    no_decay = [p for p in layer.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+    )
     router = RouterLoad(layer, PRESETS[cfg.model]["n_routed_experts"])
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    first = cfg.prompt_len - 2  # row i's target s_{i+2} is a greedy token from here on
     losses = []
     layer.train()
     for step in range(cfg.steps):
-        for group in opt.param_groups:  # linear decay to a tenth
-            group["lr"] = cfg.lr * (1 - 0.9 * step / cfg.steps)
+        warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+        for group in opt.param_groups:  # warmup, then linear decay to a tenth
+            group["lr"] = cfg.lr * warm * (1 - 0.9 * step / cfg.steps)
         pick = torch.randperm(len(seqs), generator=gen)[: cfg.batch_size]
-        s, h = seqs[pick], hidden[pick]
-        out = mtp_block(shared, layer, h[:, :-2], s[:, 1:-1])  # [b, N - 2, D]
-        logits = shared.lm_head(layer.shared_head.norm(out[:, first:])).float()
-        loss = F.cross_entropy(logits.flatten(0, 1), s[:, first + 2 :].flatten())
+        s, h, y = seqs[pick], hidden[pick], targets[pick]
+        out = mtp_block(shared, layer, h[:, :-1], s[:, 1:])  # [b, N - 1, D]
+        logits = shared.lm_head(layer.shared_head.norm(out)).float()  # [b, N - 1, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), y[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(layer.parameters(), cfg.grad_clip)
@@ -154,47 +222,96 @@ def block_config(model: str) -> object:
 
 
 def build(out: Path, cfg: SmallMtpConfig) -> dict:
-    """Steps 1-4 -> the build's record (config, losses, times, size)."""
+    """Steps 1-4 -> the build's record (config, losses, times, size); steps 0: the initial layer
+    as it is, no data."""
     torch.manual_seed(cfg.seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
         start = time.perf_counter()
         src = ensure_preset(cfg.model)
-        seqs = greedy_data(src, cfg)  # [B, N]
-        model = load_model(str(src))
-        hidden = torch.cat([prenorm_forward(model, c)[0] for c in seqs.split(8)])  # [B, N, D]
-        data_seconds = time.perf_counter() - start
         hf_config = block_config(cfg.model)
-        embed = model.model.embed_tokens.weight.detach().float().clone()
-        head = model.lm_head.weight.detach().float().clone()
-        del model
-        shared = FrozenShared(hf_config, embed, head)
         layer = build_mtp(hf_config, cfg.seed)
-        losses = train(shared, layer, hidden, seqs, cfg)
+        init_layer(layer, cfg, src / "model.safetensors")
+        rows, losses, greedy_seconds, data_seconds = 0, [], 0.0, 0.0
+        if cfg.steps:
+            seqs = greedy_data(src, cfg)  # [B, N]
+            greedy_seconds = time.perf_counter() - start
+            model = load_model(str(src))
+            hidden, targets = teacher(model, seqs)  # [B, N, D], [B, N]
+            data_seconds = time.perf_counter() - start
+            embed = model.model.embed_tokens.weight.detach().float().clone()
+            head = model.lm_head.weight.detach().float().clone()
+            del model
+            shared = FrozenShared(hf_config, embed, head)
+            losses = train(shared, layer, hidden, seqs, targets, cfg)
+            rows = int(seqs.shape[0] * (seqs.shape[1] - 1))
         size = write(out, src, layer, cfg)
     finally:
         torch.set_num_threads(threads)
     return {
         "recipe": "python -m tools.small_mtp",
         "build_config": asdict(cfg),
+        "rows": rows,
+        "greedy_seconds": round(greedy_seconds, 1),
         "data_seconds": round(data_seconds, 1),
         "build_seconds": round(time.perf_counter() - start, 1),
         "mtp_bytes": size,
         "losses": losses,
-        "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+        "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
     }
 
 
+def ensure_small_mtp(cfg: SmallMtpConfig | None = None) -> Path:
+    """The build of `cfg` (default: SmallMtpConfig(), small's recipe) in the cache, made on first
+    use (atomically: a rename, as moe.presets.ensure_preset) -> its directory:
+    <cache>/{model}-mtp-v{version}, with the config's hash appended when it is not the default's
+    for its model."""
+    cfg = cfg or SmallMtpConfig()
+    name = f"{cfg.model}-mtp-v{cfg.version}"
+    if cfg != SmallMtpConfig(model=cfg.model):
+        blob = json.dumps(asdict(cfg), sort_keys=True).encode()
+        name += "-" + hashlib.sha256(blob).hexdigest()[:12]
+    target = cache_root() / name
+    if (target / "build_meta.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.model}-mtp-", dir=target.parent))
+    try:
+        record = build(tmp, cfg)
+        (tmp / "build_meta.json").write_text(json.dumps(record, indent=1) + "\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race
+            if not (target / "build_meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def main(argv: list[str] | None = None) -> None:
+    default = SmallMtpConfig()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="the directory to build")
-    ap.add_argument("--model", default=SmallMtpConfig().model, help="a random preset")
-    ap.add_argument("--steps", type=int, default=SmallMtpConfig().steps)
-    ap.add_argument("--prompts", type=int, default=SmallMtpConfig().prompts)
-    ap.add_argument("--new", type=int, default=SmallMtpConfig().new)
+    ap.add_argument("--out", type=Path, help="the directory to build (default: the cache's)")
+    ap.add_argument("--model", default=default.model, help="a random preset")
+    ap.add_argument("--steps", type=int, default=default.steps)
+    ap.add_argument("--prompts", type=int, default=default.prompts)
+    ap.add_argument("--new", type=int, default=default.new)
+    ap.add_argument("--init", choices=INITS, default=default.init)
+    ap.add_argument("--lr", type=float, default=default.lr)
     args = ap.parse_args(argv)
-    cfg = SmallMtpConfig(model=args.model, steps=args.steps, prompts=args.prompts, new=args.new)
+    cfg = SmallMtpConfig(
+        model=args.model,
+        steps=args.steps,
+        prompts=args.prompts,
+        new=args.new,
+        init=args.init,
+        lr=args.lr,
+    )
+    if args.out is None:
+        print(ensure_small_mtp(cfg))
+        return
     record = build(args.out, cfg)
     (args.out / "build_meta.json").write_text(json.dumps(record, indent=1) + "\n")
     print({k: v for k, v in record.items() if k != "losses"})

@@ -144,26 +144,32 @@ def load_mtp(path: Path, main: nn.Module) -> nn.Module:
     return load_mtp_file(path / "model.safetensors", main.config)
 
 
+def block_state(tensors: dict[str, torch.Tensor], layer: int, experts: int) -> dict:
+    """Layer `layer`'s tensors of a checkpoint (HF names, per expert) -> the state dict of
+    transformers' decoder block (fused experts [E, 2I, D] and [E, D, I]) and, for an MTP layer,
+    its enorm, hnorm, eh_proj and shared_head."""
+    prefix = f"model.layers.{layer}."
+    saved = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    state = {k: v for k, v in saved.items() if ".experts." not in k}
+    state["mlp.experts.gate_up_proj"] = torch.stack(
+        [
+            torch.cat([saved[f"mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up")])
+            for e in range(experts)
+        ]
+    )  # [E, 2I, D]
+    state["mlp.experts.down_proj"] = torch.stack(
+        [saved[f"mlp.experts.{e}.down_proj.weight"] for e in range(experts)]
+    )
+    return state
+
+
 def load_mtp_file(file: Path, config: Any) -> nn.Module:
     """The MTP layer model.layers.{num_hidden_layers}.* of a safetensors file, as `build_mtp`
     makes it for `config` (a DeepseekV3Config; fp32, eval, frozen)."""
     from safetensors.torch import load_file
 
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    saved = {
-        k[len(prefix) :]: v.float() for k, v in load_file(str(file)).items() if k.startswith(prefix)
-    }
-    experts = range(config.n_routed_experts)
-    state = {k: v for k, v in saved.items() if ".experts." not in k}
-    state["mlp.experts.gate_up_proj"] = torch.stack(
-        [
-            torch.cat([saved[f"mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up")])
-            for e in experts
-        ]
-    )  # [E, 2I, D]
-    state["mlp.experts.down_proj"] = torch.stack(
-        [saved[f"mlp.experts.{e}.down_proj.weight"] for e in experts]
-    )
+    tensors = {k: v.float() for k, v in load_file(str(file)).items()}
+    state = block_state(tensors, config.num_hidden_layers, config.n_routed_experts)
     layer = build_mtp(config, 0)
     layer.load_state_dict(state, strict=True)
     return layer.eval().requires_grad_(False)
