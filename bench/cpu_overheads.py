@@ -39,8 +39,10 @@ PROMPT = 128
 
 
 def _config(model: str, batch: int) -> EngineConfig:
+    # NOTE: no two-batch overlap, as the plan of a CPU pool assumes (one thread both computes
+    # and drives gloo; "auto" would split EP steps of 32 rows and more)
     return EngineConfig(model=model, max_num_seqs=max(64, batch), max_num_batched_tokens=4096,
-                        enable_prefix_caching=False)  # fmt: skip
+                        enable_prefix_caching=False, two_batch_overlap="off")  # fmt: skip
 
 
 def decode_seconds(engine: LLMEngine, batch: int, steps: int, first_id: int = 0) -> float:
