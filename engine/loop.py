@@ -4,7 +4,9 @@ A rank's actor (or any server) runs the engine here: callers submit functions th
 engine thread between steps (the engine is not thread-safe), and every step's StepResult
 (deltas, handed-off prefills) goes to a callback. An idle loop blocks on its inbox with a short
 timeout instead of spinning; in an expert-parallel pool it still reaches the step's agreement
-all-reduce once per timeout, because the other ranks may have work.
+all-reduce once per timeout, because the other ranks may have work. A rank that gets work while
+its pool rests wakes the others (`on_work`, engine/wake.py: `wake()` on theirs), so its step
+starts at once rather than when their waits run out.
 """
 
 import concurrent.futures
@@ -20,6 +22,8 @@ from engine.messages import RankStopped, StepResult
 
 log = logging.getLogger(__name__)
 
+_WAKE = ("wake",)  # an inbox item that only ends an idle wait
+
 
 class EngineLoop:
     def __init__(
@@ -29,14 +33,18 @@ class EngineLoop:
         idle_wait_s: float = 0.02,
         on_tick: Callable[[], None] | None = None,
         on_stop: Callable[[BaseException | None], None] | None = None,
+        on_work: Callable[[], None] | None = None,
     ) -> None:
         """on_step: what each step produced, when it produced something; on_tick: runs before
         every step (deadline checks);
-        on_stop: runs last on the engine thread, with what killed the loop (None on stop())."""
+        on_stop: runs last on the engine thread, with what killed the loop (None on stop());
+        on_work: runs on the engine thread when a call gave this rank work while its pool
+        rested (an expert-parallel pool's partners sleep: wake them)."""
         self.engine = engine
         self.on_step = on_step
         self.on_tick = on_tick
         self.on_stop = on_stop
+        self.on_work = on_work
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -50,6 +58,7 @@ class EngineLoop:
         self.suspects: tuple[str, ...] = ()  # the requests of the step that killed the loop
         self.num_steps = 0
         self.num_rounds = 0  # turns of the loop, steps or idle waits (a spinning loop shows)
+        self.num_wakes = 0  # wake() calls taken from the inbox
         self.last_progress = time.monotonic()  # when the thread last began a turn
 
     def start(self) -> "EngineLoop":
@@ -61,6 +70,10 @@ class EngineLoop:
         self._inbox.put(None)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    def wake(self) -> None:
+        """End an idle wait now (any thread): a partner rank has work, so the pool steps."""
+        self._inbox.put(_WAKE)
 
     @property
     def alive(self) -> bool:
@@ -99,25 +112,36 @@ class EngineLoop:
         except queue.Empty:
             return
         while item is not None:
+            if item is _WAKE:
+                self.num_wakes += 1
+                item = self._next()
+                continue
             fn, future = item
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(self.engine))
                 except BaseException as e:  # the caller gets it; the loop goes on
                     future.set_exception(e)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+            item = self._next()
+
+    def _next(self) -> object:
+        """The next item of the inbox, None (as stop's) when it is empty."""
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self.num_rounds += 1
                 self.last_progress = time.monotonic()
-                self._drain(0.0 if self._busy() else self.idle_wait_s)
+                resting = not self._busy()
+                self._drain(self.idle_wait_s if resting else 0.0)
                 if self._stop.is_set():
                     break
+                if resting and self.on_work is not None and self.engine.has_unfinished():
+                    self.on_work()
                 self.engine.reservations.expire(time.monotonic())
                 if self.on_tick is not None:
                     self.on_tick()
@@ -126,7 +150,9 @@ class EngineLoop:
                     self.num_steps += 1
                     if result:
                         self.on_step(result)
-                    if self.engine.last_step_tokens == 0:  # nothing ran anywhere: do not spin
+                    # work that could not run anywhere: do not spin (a resting pool waits at
+                    # the top of the next turn, once per idle_wait_s, not twice)
+                    if self.engine.last_step_tokens == 0 and self._busy():
                         self._drain(self.idle_wait_s)
         except BaseException as e:  # a dead engine must be visible, not silent
             self.error = e
@@ -147,5 +173,5 @@ class EngineLoop:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item is not None and not item[1].done():
+            if item is not None and item is not _WAKE and not item[1].done():
                 item[1].set_exception(self.stopped("the engine loop stopped"))

@@ -27,6 +27,7 @@ from engine.metrics.rank import RankCollector
 from engine.metrics.server import MetricsServer, serve_metrics
 from engine.metrics.tiers import tier_series
 from engine.rendezvous import Rendezvous, interface_of, rendezvous_store
+from engine.wake import PoolWaker
 from moe.placement import Placement
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class Rank(abc.ABC):
         self._aio: asyncio.AbstractEventLoop | None = None
         self.transport: KVTransport | None = transport
         self.metrics: MetricsServer | None = None
+        self.waker: PoolWaker | None = None  # an EP pool's partners wake each other
 
     # ---- start-up ----
 
@@ -112,13 +114,23 @@ class Rank(abc.ABC):
                 world_size=c.num_ranks,
                 timeout=timedelta(seconds=c.collective_timeout_s),
             )
+            host = "127.0.0.1" if rdzv.addr.startswith("127.") else node_addr
+            self.waker = PoolWaker(host, self._woken).connect(store, c.rank, c.num_ranks)
         if self.transport is None:
             self.transport = self._p2p_transport(kv_rdzv) if c.kv_p2p else ObjectStoreTransport()
         placement = Placement.from_dict(c.placement) if c.placement else None
         self.engine = build_ep_engine(c.engine, None, c.rank, c.num_ranks, placement)
         self.loop = EngineLoop(
-            self.engine, self._step_from_engine_thread, on_stop=self._stopped_on_engine_thread
+            self.engine,
+            self._step_from_engine_thread,
+            on_stop=self._stopped_on_engine_thread,
+            on_work=self.waker.wake_peers if self.waker is not None else None,
         ).start()
+
+    def _woken(self) -> None:
+        """A partner rank got work while the pool rested (the waker's thread)."""
+        if self.loop is not None:
+            self.loop.wake()
 
     def _p2p_transport(self, kv_rdzv: Rendezvous | None) -> "TorchP2PTransport":
         """Join the cluster-wide group that carries KV between prefill and decode ranks."""
@@ -149,6 +161,8 @@ class Rank(abc.ABC):
         most tiers_timeout_s) so a restart finds those blocks on disk."""
         if self.loop is not None:
             self.loop.stop()
+        if self.waker is not None:
+            self.waker.close()
         if self.engine is not None:
             self.engine.close(tiers_timeout_s)
         if self.metrics is not None:

@@ -6,10 +6,12 @@ Every MoE layer moves the step's tokens to their experts and back (dispatch in f
 bf16, as DeepSeek does) over NVLink inside a node and RDMA between nodes; with two-batch overlap
 that communication hides behind computation: step = compute + comm - min(comm, compute).
 A fixed per-step overhead (launch, scheduling, the step's agreement) is added; on a CPU also a
-per-sequence overhead (the engine's Python bookkeeping and sampling per request, measured) and
-a fixed latency per exchange of each MoE layer's dispatch and combine (gloo's round trip between
+per-sequence overhead (the engine's Python bookkeeping and sampling per request, measured), a
+fixed latency per exchange of each MoE layer's dispatch and combine (gloo's round trip between
 processes, measured: at decode's few rows it, not the bandwidth, is the all-to-all's cost; the
-cluster's dispatcher makes three a layer, exchanges_per_step).
+cluster's dispatcher makes three a layer, exchanges_per_step), what an expert-parallel rank
+adds per step and per sequence (measured on an EP2 pair) and what a prefill adds per new
+position (measured on one engine).
 
 Ranks of a pool step in lockstep with equal batches (the router balances them; attention is data
 parallel), so one rank's step is the pool's step; the EPLB imbalance (max / mean tokens per rank
@@ -43,6 +45,12 @@ class Unit:
     step_overhead_s: float = 0.5e-3  # assumption: CUDA graph launch + scheduling per step
     sequence_overhead_s: float = 0.0  # per sequence in the step (CPU: measured)
     exchange_latency_s: float = 0.0  # per dispatch or combine, beside its bytes (CPU: measured)
+    # CPU, measured: what an expert-parallel rank's step costs beyond a lone engine's (the
+    # dispatcher's index work and the MoE block in Python), per step and per sequence; and
+    # what a prefill step costs per new position beyond its roofline
+    ep_step_overhead_s: float = 0.0
+    ep_sequence_overhead_s: float = 0.0
+    prefill_token_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.gpus_per_node < 1:
@@ -54,8 +62,12 @@ class Unit:
                 raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}")
         if self.redundant_experts < 0 or self.imbalance < 1 or self.step_overhead_s < 0:
             raise ValueError("redundant_experts >= 0, imbalance >= 1, step_overhead_s >= 0")
-        if self.sequence_overhead_s < 0 or self.exchange_latency_s < 0:
-            raise ValueError("sequence_overhead_s and exchange_latency_s must be >= 0")
+        extra = (self.sequence_overhead_s, self.exchange_latency_s, self.ep_step_overhead_s,
+                 self.ep_sequence_overhead_s, self.prefill_token_overhead_s)  # fmt: skip
+        if min(extra) < 0:
+            raise ValueError(
+                "the per-sequence, per-exchange, EP and prefill overheads must be >= 0"
+            )
 
     @property
     def nodes(self) -> int:
@@ -138,8 +150,10 @@ def step_cost(
     attn_core_flops: float,
     kv_read_bytes: float,
     dedup_nodes: bool,
+    prefill: bool = False,
 ) -> StepCost:
-    """One rank's step computing `tokens` (T) positions, `head_rows` of them through lm_head."""
+    """One rank's step computing `tokens` (T) positions, `head_rows` of them through lm_head
+    (`prefill`: T new prompt positions, else T decode rows)."""
     c, m = model.config, model
     w = DTYPE_BYTES[unit.weight_dtype]
     k, layers, moe_layers = c.num_experts_per_tok, c.num_hidden_layers, m.num_moe_layers
@@ -170,13 +184,17 @@ def step_cost(
     overlap = unit.two_batch_overlap and tokens >= 2
     phases = {"attention": attn, "dense_mlp": dense, "experts": moe, "lm_head": head}
     # Step 3: what the roofline does not see: per step, per sequence, per exchange (round trips
-    # that two-batch overlap cannot hide)
+    # that two-batch overlap cannot hide), an EP rank's extra work, a prefill's per position
     exchanges = exchanges_per_step(model, unit.ranks)
+    seqs = max(head_rows, 1)
     overhead = (
         unit.step_overhead_s
-        + unit.sequence_overhead_s * max(head_rows, 1)
+        + unit.sequence_overhead_s * seqs
         + unit.exchange_latency_s * exchanges
+        + (unit.prefill_token_overhead_s * tokens if prefill else 0.0)
     )
+    if unit.ranks > 1:
+        overhead += unit.ep_step_overhead_s + unit.ep_sequence_overhead_s * seqs
     return StepCost(tokens, phases, comm, overhead, overlap)
 
 
@@ -258,7 +276,7 @@ def prefill_step(
         * (c.qk_head_dim + c.v_head_dim)
     )
     kv = seqs * cached * model.kv_bytes_per_token(DTYPE_BYTES[unit.kv_dtype])
-    return step_cost(model, hw, unit, tokens, sequences, core, kv, dedup_nodes=True)
+    return step_cost(model, hw, unit, tokens, sequences, core, kv, dedup_nodes=True, prefill=True)
 
 
 def kv_transfer_s(model: PlanModel, hw: Hardware, unit: Unit, positions: float) -> float:

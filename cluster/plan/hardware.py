@@ -51,6 +51,9 @@ class Hardware:
     step_overhead_s: float | None = None
     sequence_overhead_s: float = 0.0
     exchange_latency_s: float = 0.0
+    ep_step_overhead_s: float = 0.0
+    ep_sequence_overhead_s: float = 0.0
+    prefill_token_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.memory_bw <= 0:
@@ -59,7 +62,9 @@ class Hardware:
             raise ValueError(f"{self.name}: flops needs positive {sorted(DTYPE_BYTES)}")
         if self.intra_node_bw <= 0 or self.inter_node_bw <= 0 or self.price_per_hour < 0:
             raise ValueError(f"{self.name}: link bandwidths must be > 0, price >= 0")
-        overheads = (self.step_overhead_s or 0.0, self.sequence_overhead_s, self.exchange_latency_s)
+        overheads = (self.step_overhead_s or 0.0, self.sequence_overhead_s, self.exchange_latency_s,
+                     self.ep_step_overhead_s, self.ep_sequence_overhead_s,
+                     self.prefill_token_overhead_s)  # fmt: skip
         if min(overheads) < 0:
             raise ValueError(f"{self.name}: overheads must be >= 0")
 

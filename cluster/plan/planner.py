@@ -62,6 +62,9 @@ class ModelCosts:
             ep, self.gpus_per_node, redundant, self.weight_dtype, self.kv_dtype,
             act or "fp8", act or "bf16", two_batch_overlap=self.two_batch_overlap,
             sequence_overhead_s=hw.sequence_overhead_s, exchange_latency_s=hw.exchange_latency_s,
+            ep_step_overhead_s=hw.ep_step_overhead_s,
+            ep_sequence_overhead_s=hw.ep_sequence_overhead_s,
+            prefill_token_overhead_s=hw.prefill_token_overhead_s,
             **measured,
             **({} if self.expert_tokens is None else {"imbalance": self.imbalance(ep)}),
         )  # fmt: skip

@@ -1,5 +1,7 @@
-"""This machine, measured: read bandwidth (a sum over 256 MiB of fp32) and the fp32 peak (a
-1536^3 matmul), of one single-threaded process (a rank's torch_threads) and summed over one
+"""This machine, measured: read bandwidth (a sum over 256 MiB of fp32) and the fp32 peak (the
+engine's own dense kernel, kernels/linear.py, on 64 rows of 1536 x 1536: the rows of a decode
+batch or a short prefill; torch's matmul where the compiled kernels are not built), of one
+single-threaded process (a rank's torch_threads) and summed over one
 such process per core measuring at once (the machine's total for such ranks), and the all-to-all
 bandwidth and the latency of one small exchange between 2 local processes over gloo (what the
 CPU cluster's EP pools use), alone and with every core taken by other threads, in a few
@@ -10,7 +12,8 @@ costs beyond the roofline of these numbers).
 
 A rank on a shared machine (`cpu_hardware(busy_threads=n)`): n threads want the C cores, so one
 thread runs C / n of the time when n > C, and the n share the memory bandwidth:
-bandwidth = min(one thread's x min(1, C / n), all threads' / n), the same for FLOP/s.
+bandwidth = min(one thread's x min(1, C / n), all threads' / n), the same for FLOP/s; the
+measured overheads (Python time of one thread) take n / C times as long when n > C.
 """
 
 import json
@@ -50,9 +53,19 @@ def read_bandwidth(repeats: int = 5) -> float:
     return x.numel() * 4 / _best(lambda: x.sum(), repeats)
 
 
-def fp32_peak(n: int = 1536, repeats: int = 3) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best(lambda: a @ b, repeats)
+PEAK_ROWS, PEAK_FEATURES = 64, 1536
+
+
+def fp32_peak(repeats: int = 3) -> float:
+    """FLOP/s of the engine's dense projection (a layer's packed weight, kernels/linear.py) on
+    PEAK_ROWS rows: what the ranks' matmuls reach. (torch's matmul, which the engine's compiled
+    kernel beats 2-3x at these shapes, was the probe's first measure: it made the plan's
+    decode steps too slow as the batch grew.)"""
+    from kernels.linear import linear
+
+    n = PEAK_FEATURES
+    x, w = torch.randn(PEAK_ROWS, n), torch.randn(n, n)
+    return 2 * PEAK_ROWS * n * n / _best(lambda: linear(x, w, packed=True), repeats)
 
 
 def _all_to_all_worker(rank: int, port: int, out: str) -> None:
@@ -164,10 +177,15 @@ def probe(refresh: bool = False) -> dict[str, float]:
     old = json.loads(path.read_text()) if path.exists() else {}
     if not refresh and "exchange_latency_s" in old:
         return old
-    keep = {k: old[k] for k in ("step_overhead_s", "sequence_overhead_s", "overheads") if k in old}
+    keep = {k: old[k] for k in (*OVERHEADS, "overheads") if k in old}
     result = measure() | keep
     save(result)
     return result
+
+
+# what bench/cpu_overheads.py measures on the engine and adds to the cache (Hardware's fields)
+OVERHEADS = ("step_overhead_s", "sequence_overhead_s", "ep_step_overhead_s",
+             "ep_sequence_overhead_s", "prefill_token_overhead_s")  # fmt: skip
 
 
 def save(result: dict[str, float]) -> None:
@@ -192,6 +210,7 @@ def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Ha
     bw, flops, memory = m["read_bw"], m["fp32_flops"], float(psutil.virtual_memory().total)
     what = f"{int(m['threads'])} threads"
     latency = m.get("exchange_latency_s", 0.0)
+    slow = 1.0  # Python's time on a shared core
     if busy_threads is not None:
         if busy_threads < 1:
             raise ValueError(f"busy_threads must be >= 1 (got {busy_threads})")
@@ -203,6 +222,8 @@ def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Ha
         # measured with 2 busy threads and with 2 + cores: linear in the threads beyond 2
         busy = m.get("exchange_latency_busy_s", latency)
         latency = max(latency, latency + (busy - latency) * (busy_threads - 2) / cores)
+        slow = max(1.0, busy_threads / cores)
+    step = m.get("step_overhead_s")
     return Hardware(
         name="cpu",
         memory_bytes=memory,
@@ -213,9 +234,12 @@ def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Ha
         price_per_hour=0.0,
         sources={"all": f"measured by cluster/plan/probe.py ({what}), cached in {cache_file()}"},
         efficiency=Efficiency(1.0, 1.0, 1.0),
-        step_overhead_s=m.get("step_overhead_s"),
-        sequence_overhead_s=m.get("sequence_overhead_s", 0.0),
+        step_overhead_s=None if step is None else step * slow,
+        sequence_overhead_s=m.get("sequence_overhead_s", 0.0) * slow,
         exchange_latency_s=latency,
+        ep_step_overhead_s=m.get("ep_step_overhead_s", 0.0) * slow,
+        ep_sequence_overhead_s=m.get("ep_sequence_overhead_s", 0.0) * slow,
+        prefill_token_overhead_s=m.get("prefill_token_overhead_s", 0.0) * slow,
     )
 
 

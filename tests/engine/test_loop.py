@@ -44,3 +44,71 @@ def test_loop_runs_submitted_requests_and_idles_quietly():
     assert not loop.alive
     with pytest.raises(RuntimeError, match="not running"):
         loop.submit(lambda e: None).result(1)
+
+
+class _RestingEPEngine:
+    """An expert-parallel rank's engine as the loop sees it, without a pool: no requests
+    anywhere until `work` is set (the step's agreement always finds nothing to run)."""
+
+    ep_size = 2
+    pool_has_unfinished = False
+    last_step_tokens = 0
+
+    def __init__(self) -> None:
+        self.work = False
+        self.reservations = type("NoReservations", (), {"expire": lambda self, now: []})()
+
+    def has_unfinished(self) -> bool:
+        return self.work
+
+    def step(self):
+        from engine.messages import StepResult
+
+        return StepResult()
+
+    def suspects(self) -> tuple[str, ...]:
+        return ()
+
+
+def _until(condition, seconds: float = 30.0) -> bool:
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_resting_ep_loop_steps_once_per_wake_and_waits_once_per_turn():
+    """A resting EP rank's loop reaches the agreement once per idle wait, and a wake() ends the
+    wait: with a wait that never runs out, each wake is one step. (It used to wait twice a turn,
+    after the empty step and again before the next: the second wake then ended the first wait
+    and the loop slept again without stepping.)"""
+    loop = EngineLoop(_RestingEPEngine(), lambda r: None, idle_wait_s=3600).start()
+    try:
+        assert _until(lambda: loop.num_rounds == 1)  # asleep before its first step
+        for n in (1, 2, 3):
+            loop.wake()
+            assert _until(lambda n=n: loop.num_steps == n), (n, loop.num_steps)
+            assert _until(lambda n=n: loop.num_rounds == n + 1)  # asleep again, at the turn's top
+        assert loop.num_wakes == 3 and loop.num_steps == 3
+    finally:
+        loop.stop()
+
+
+def test_work_given_to_a_resting_rank_wakes_its_partners_once():
+    """on_work runs when a call gives the rank work while the pool rests, not on every call."""
+    engine, woke = _RestingEPEngine(), []
+    loop = EngineLoop(engine, lambda r: None, idle_wait_s=3600, on_work=lambda: woke.append(1))
+    loop.start()
+    try:
+        loop.submit(lambda e: None).result(10)  # a call that gives no work
+        assert woke == []
+        loop.submit(lambda e: setattr(e, "work", True)).result(10)
+        assert _until(lambda: len(woke) == 1)
+        engine.pool_has_unfinished = True  # the agreement now says the pool is busy
+        for _ in range(3):  # calls to a busy rank (its partners are awake), each then a step
+            steps = loop.num_steps
+            loop.submit(lambda e: None).result(10)
+            assert _until(lambda steps=steps: loop.num_steps > steps)
+        assert woke == [1]
+    finally:
+        loop.stop()

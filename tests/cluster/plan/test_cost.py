@@ -148,3 +148,24 @@ def test_cpu_overheads_per_step_sequence_and_exchange():
     assert pair.overhead_s == pytest.approx(1e-3 + 4 * 1e-4 + (3 * 7 + 1) * 2e-4)
     prefill = prefill_step(m, hw, Unit(1, 1, 0, "fp32", "fp32", "fp32", "fp32", **args), 300, 3)
     assert prefill.overhead_s == pytest.approx(1e-3 + 3 * 1e-4)  # per prompt, not per token
+
+
+def test_cpu_overheads_of_an_ep_rank_and_of_prefill_positions():
+    """An EP rank adds its measured per-step and per-sequence overheads (a lone rank does not);
+    a prefill adds its per-position overhead for every new position (a decode step none)."""
+    m, hw = load_model("small"), CATALOG["H100"]
+    args = dict(imbalance=1.0, step_overhead_s=1e-3, sequence_overhead_s=1e-4,
+                exchange_latency_s=2e-4, ep_step_overhead_s=5e-3, ep_sequence_overhead_s=3e-4,
+                prefill_token_overhead_s=1e-5)  # fmt: skip
+    alone = Unit(1, 1, 0, "fp32", "fp32", "fp32", "fp32", **args)
+    pair = Unit(2, 1, 0, "fp32", "fp32", "fp32", "fp32", **args)
+    assert decode_step(m, hw, alone, 4, 100).overhead_s == pytest.approx(1e-3 + 4e-4)
+    assert decode_step(m, hw, pair, 4, 100).overhead_s == pytest.approx(
+        1e-3 + 4e-4 + 22 * 2e-4 + 5e-3 + 4 * 3e-4
+    )
+    assert prefill_step(m, hw, alone, 300, 3).overhead_s == pytest.approx(1e-3 + 3e-4 + 300e-5)
+    assert prefill_step(m, hw, pair, 300, 3, cached=50).overhead_s == pytest.approx(
+        1e-3 + 3e-4 + 300e-5 + 22 * 2e-4 + 5e-3 + 3 * 3e-4
+    )
+    with pytest.raises(ValueError, match="overheads"):
+        Unit(2, 1, ep_step_overhead_s=-1e-3)

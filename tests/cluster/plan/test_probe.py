@@ -11,7 +11,8 @@ MEASURED = {
     "read_bw": 4e10, "fp32_flops": 2e11, "read_bw_1t": 3e10, "fp32_flops_1t": 1.2e11,
     "all_to_all_bw": 2e9, "exchange_latency_s": 1e-4, "exchange_latency_busy_s": 5e-4,
     "threads": 2, "cores": 2,
-    "step_overhead_s": 2e-3, "sequence_overhead_s": 1e-4,
+    "step_overhead_s": 2e-3, "sequence_overhead_s": 1e-4, "ep_step_overhead_s": 4e-3,
+    "ep_sequence_overhead_s": 2e-4, "prefill_token_overhead_s": 1e-5,
 }  # fmt: skip
 
 
@@ -49,3 +50,13 @@ def test_a_rank_shares_cores_and_bandwidth(cache, busy, bw, flops):
 def test_exchange_latency_grows_with_the_threads_beyond_two(cache, busy, latency):
     """Measured alone (2 threads busy) and with 2 + cores busy; linear between, hand-computed."""
     assert cpu_hardware(busy_threads=busy).exchange_latency_s == pytest.approx(latency)
+
+
+@pytest.mark.parametrize("busy, slow", [(1.0, 1.0), (2.0, 1.0), (3.0, 1.5), (5.0, 2.5)])
+def test_measured_overheads_stretch_when_threads_outnumber_cores(cache, busy, slow):
+    """The overheads are one thread's Python time, measured alone: on a core it gets 2 / busy
+    of, they take busy / 2 times as long (hand-computed for 2 cores)."""
+    hw = cpu_hardware(busy_threads=busy)
+    got = (hw.step_overhead_s, hw.sequence_overhead_s, hw.ep_step_overhead_s,
+           hw.ep_sequence_overhead_s, hw.prefill_token_overhead_s)  # fmt: skip
+    assert got == pytest.approx(tuple(slow * x for x in (2e-3, 1e-4, 4e-3, 2e-4, 1e-5)))
