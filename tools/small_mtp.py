@@ -48,7 +48,7 @@ from moe import DeepseekForCausalLM, load_model
 from moe.presets import PRESETS, cache_root, ensure_preset
 from tools.tiny.routing import RouterLoad
 from tools.tiny.train import hf_tensors
-from tools.tiny.train_mtp import block_state, build_mtp, mtp_block
+from tools.tiny.train_mtp import block_state, build_mtp, mtp_block, mtp_optimizer
 
 INITS = ("random", "identity", "layer")
 
@@ -152,14 +152,7 @@ def train(
     """hidden [B, N, D] pre-norm, seqs [B, N], targets [B, N] (the main model's argmax at each
     position) -> per-step losses; trains `layer` in place: row i = (h_i, t_{i+1}) learns
     targets_{i+1}, every row of a sequence."""
-    decay = [p for p in layer.parameters() if p.dim() >= 2]
-    no_decay = [p for p in layer.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-    )
+    opt = mtp_optimizer(layer, cfg.lr, cfg.weight_decay)
     router = RouterLoad(layer, PRESETS[cfg.model]["n_routed_experts"])
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     losses = []

@@ -89,6 +89,18 @@ class MtpTrainConfig:
         )
 
 
+def mtp_optimizer(layer: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW for an MTP layer: weight decay on its matrices only (not norms or biases)."""
+    decay = [p for p in layer.parameters() if p.dim() >= 2]
+    no_decay = [p for p in layer.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+    )
+
+
 def mtp_inputs_sha256(cfg: MtpTrainConfig) -> str:
     """What the MTP layer is a function of: the main model's inputs and this stage's config."""
     blob = json.dumps({"main": inputs_sha256(TrainConfig()), "mtp": asdict(cfg)}, sort_keys=True)
@@ -252,14 +264,7 @@ def train_mtp(
     sched = cfg.schedule
     layer = build_mtp(main.config, cfg.seed)
     layer.train()
-    decay = [p for p in layer.parameters() if p.dim() >= 2]
-    no_decay = [p for p in layer.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-    )
+    opt = mtp_optimizer(layer, cfg.lr, cfg.weight_decay)
     router = RouterLoad(layer, MODEL_CONFIG["n_routed_experts"])
     record: dict[str, Any] = {"losses": [], "held_out": []}
     start = time.perf_counter()
