@@ -43,6 +43,8 @@ NAME = "restart-test"
 LEASE_S = 4.0  # routing.kv_lease_s: the decode ranks' lease on a router
 KILLED_MAX_TOKENS = 2000  # the killed streams could run this long: they must end sooner
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+# Four tokens whatever is sampled (a sampled end-of-text would end it sooner: ci-local on 600ccc7)
+FOUR = SamplingParams(max_tokens=4, ignore_eos=True)
 
 # A Ray driver that prints each rank actor's identity (cluster/pool.py RankIdentity) and the
 # actor id, from the record a router attaches through; {} when the record is gone.
@@ -134,6 +136,18 @@ class Head:
         out = self.run("-c", IDENTITIES, self.address, NAME)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def stop_routers(self) -> None:
+        """SIGTERM every router still running, then SIGKILL what has not exited in 120 s."""
+        for proc in self.routers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.routers:
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
 
     def close(self) -> None:
         for proc in self.routers:
@@ -294,7 +308,7 @@ def test_a_re_formed_pool_is_attached_to_at_its_new_generation(head):
         assert {n: r for n, r in now.items() if "-prefill-" in n} == {
             n: r for n, r in before.items() if "-prefill-" in n
         }  # the other pool was not touched
-        assert client.complete([5, 6, 7], SamplingParams(max_tokens=4)).num_completion_tokens == 4
+        assert client.complete([5, 6, 7], FOUR).num_completion_tokens == 4
         wait_quiet(client, timeout=60)
     assert serve.stop(120) == 0
     again, _ = head.serve(router_config(head))
@@ -302,12 +316,13 @@ def test_a_re_formed_pool_is_attached_to_at_its_new_generation(head):
     assert f"decode generation {gen + 1}" in log and "re-forming" not in log, log
     assert head.identities()["ranks"] == now
     with InferenceClient(address_of(again), timeout=120) as client:
-        assert client.complete([5, 6, 7], SamplingParams(max_tokens=4)).num_completion_tokens == 4
+        assert client.complete([5, 6, 7], FOUR).num_completion_tokens == 4
         wait_quiet(client, timeout=60)
     assert again.stop(120) == 0
 
 
 def test_a_router_with_another_config_is_refused_and_stop_removes_the_pools(head):
+    head.stop_routers()  # one a failed test above left would re-form the pools `stop` removes
     if not head.identities()["ranks"]:  # run alone: a router starts the pools, and goes
         serve, _ = head.serve(router_config(head))
         assert serve.stop(120) == 0
