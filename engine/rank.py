@@ -26,7 +26,7 @@ from engine.messages import RankStatus, StepResult
 from engine.metrics.rank import RankCollector
 from engine.metrics.server import MetricsServer, serve_metrics
 from engine.metrics.tiers import tier_series
-from engine.rendezvous import Rendezvous, interface_of, rendezvous_store
+from engine.rendezvous import Rendezvous, interface_of, remove_store_files, rendezvous_store
 from engine.wake import PoolWaker
 from moe.placement import Placement
 
@@ -83,6 +83,7 @@ class Rank(abc.ABC):
         self.transport: KVTransport | None = transport
         self.metrics: MetricsServer | None = None
         self.waker: PoolWaker | None = None  # an EP pool's partners wake each other
+        self.rendezvous: list[Rendezvous] = []  # the groups joined: stop() removes their files
 
     # ---- start-up ----
 
@@ -116,6 +117,7 @@ class Rank(abc.ABC):
             )
             host = "127.0.0.1" if rdzv.addr.startswith("127.") else node_addr
             self.waker = PoolWaker(host, self._woken).connect(store, c.rank, c.num_ranks)
+            self._joined(rdzv, c.rank)
         if self.transport is None:
             self.transport = self._p2p_transport(kv_rdzv) if c.kv_p2p else ObjectStoreTransport()
         placement = Placement.from_dict(c.placement) if c.placement else None
@@ -141,9 +143,18 @@ class Rank(abc.ABC):
             raise ValueError("kv_p2p needs the KV group's rendezvous")
         store = rendezvous_store(kv_rdzv, c.kv_world, c.kv_rank, c.collective_timeout_s)
         # the store's port tells groups apart: a rebuilt group is a new epoch
-        return TorchP2PTransport(
+        transport = TorchP2PTransport(
             store, c.kv_rank, c.kv_world, c.dist_backend, c.kv_lease_s, epoch=kv_rdzv.port
         )
+        self._joined(kv_rdzv, c.kv_rank)
+        return transport
+
+    def _joined(self, rdzv: Rendezvous, rank: int) -> None:
+        """A group formed: its owner removes the files of the group's earlier formings (their
+        ranks were killed, or left them); stop() removes this one's."""
+        self.rendezvous.append(rdzv)
+        if rank == rdzv.owner:
+            remove_store_files(rdzv, earlier_only=True)
 
     async def rejoin_kv(self, kv_rdzv: Rendezvous) -> None:
         """Join a new KV transport group (the old one lost a member: a pool was re-formed, or a
@@ -167,6 +178,8 @@ class Rank(abc.ABC):
             self.engine.close(tiers_timeout_s)
         if self.metrics is not None:
             self.metrics.close()
+        for rdzv in self.rendezvous:
+            remove_store_files(rdzv)
 
     # ---- metrics ----
 

@@ -2,6 +2,10 @@
 the rank that hosts the store), the store it opens (a file store on one machine, a TCP store
 across machines), and the network interface that holds a node's address (for gloo)."""
 
+import contextlib
+import glob
+import os
+import re
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -30,7 +34,7 @@ def rendezvous_store(rdzv: Rendezvous, world_size: int, rank: int, timeout_s: fl
     """On one machine (a loopback address) a file store, which listens on no port. Across
     machines a TCP store whose server listens on the address it publishes alone (not on every
     interface, as a store given only a port would)."""
-    if rdzv.addr.startswith("127."):
+    if uses_file_store(rdzv):
         return dist.FileStore(rdzv.file, world_size)
     timeout = timedelta(seconds=timeout_s)
     if rank != rdzv.owner:
@@ -45,6 +49,27 @@ def rendezvous_store(rdzv: Rendezvous, world_size: int, rank: int, timeout_s: fl
         master_listen_fd=listener.detach(),
         use_libuv=False,
     )
+
+
+def uses_file_store(rdzv: Rendezvous) -> bool:
+    return rdzv.addr.startswith("127.")
+
+
+def remove_store_files(rdzv: Rendezvous, earlier_only: bool = False) -> None:
+    """Remove the file store of `rdzv` (a group that stopped), or with earlier_only the files of
+    the same group's earlier formings but not its own (the owner calls it once its group formed:
+    ranks killed by SIGKILL never remove theirs). Nothing for a TCP store."""
+    if not uses_file_store(rdzv):
+        return
+    if not earlier_only:
+        paths = [rdzv.file]
+    else:  # "<cluster>-<pool>-g<generation>-<id>" or "<cluster>-kv-<id>": same group, any forming
+        group = re.sub(r"-g\d+$", "", rdzv.name.rpartition("-")[0])
+        paths = [p for p in glob.glob(glob.escape(rdzv.file[: -len(rdzv.name)] + group) + "-*")
+                 if p != rdzv.file]  # fmt: skip
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def interface_of(addr: str) -> str | None:

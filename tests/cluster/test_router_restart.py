@@ -10,6 +10,7 @@ Everything started is killed by its process group at the end; nothing listens be
 127.0.0.1."""
 
 import asyncio
+import glob
 import json
 import os
 import re
@@ -58,7 +59,7 @@ for entry in (record.pools.values() if record else []):
         actor = registry.find_actor(name)
         i = ray.get(actor.describe.remote(), timeout=120)
         out[name] = {"actor_id": actor._actor_id.hex(), "pid": i.pid,
-                     "generation": i.generation, "joined": i.joined}
+                     "generation": i.generation, "joined": i.joined, "cluster_id": i.cluster_id}
 names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
 print(json.dumps({"ranks": out, "named": sorted(n for n in names if sys.argv[2] in n)}))
 """
@@ -334,10 +335,14 @@ def test_a_router_with_another_config_is_refused_and_stop_removes_the_pools(head
     assert f"the prefill pool of cluster '{NAME}' already runs" in other.stderr
     assert "kv_cache_bytes: running 268435456, config 67108864" in other.stderr
     assert head.identities() == before  # untouched
+    (cluster_id,) = {r["cluster_id"] for r in before["ranks"].values()}
+    stores = f"{tempfile.gettempdir()}/epcluster-{cluster_id}-*"  # the groups' file stores
 
     out = head.run("-m", "cluster.cli", "stop", "--address", head.address, "--cluster-name", NAME)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("actor epcluster-") == 4 and "placement group" in out.stdout
     assert head.identities() == {"ranks": {}, "named": []}
+    # a re-formed group's owner removed the killed generation's; each rank, at stop, its own
+    assert glob.glob(stores) == []
     again = head.run("-m", "cluster.cli", "stop", "--address", head.address, "--cluster-name", NAME)
     assert again.returncode == 1 and "no pools" in again.stdout
