@@ -34,7 +34,11 @@ from bench.common import RESULTS, record
 from bench.goodput_report import plot, summarise, summarise_records, write_md
 
 
-def guidellm_command(args: argparse.Namespace, load: float, out: Path, tokenizer: str) -> list[str]:
+def guidellm_command(
+    args: argparse.Namespace, load: float, level: int, out: Path, tokenizer: str
+) -> list[str]:
+    """guidellm's command for one load; the i-th load (level) of a series draws its own prompts
+    (seed + level: one an earlier load sent would hit the prefix cache)."""
     profile = (
         f"kind=poisson,rate={load}"
         if args.mode == "open"
@@ -57,7 +61,7 @@ def guidellm_command(args: argparse.Namespace, load: float, out: Path, tokenizer
         "--constraint", f"kind=max_requests,count={args.requests}",
         "--data", data,
         "--tokenizer", f"kind=hf_auto,model={tokenizer}",
-        "--seed", f"kind=static,value={args.seed}",
+        "--seed", f"kind=static,value={args.seed + level}",
         "--output", f"kind=json,path={out}",
     ]  # fmt: skip
 
@@ -146,7 +150,7 @@ def cpu_seconds(server_pid: int | None) -> dict[str, float]:
     return out
 
 
-def measure_openloop(args: argparse.Namespace, load: float) -> dict:
+def measure_openloop(args: argparse.Namespace, load: float, level: int) -> dict:
     import asyncio
 
     from bench.openloop import OpenLoop, run
@@ -154,7 +158,7 @@ def measure_openloop(args: argparse.Namespace, load: float) -> dict:
 
     vocab = json.loads((ensure_preset(args.model) / "config.json").read_text())["vocab_size"]
     cfg = OpenLoop(args.target, args.model, load, level_requests(args, load), args.prompt_tokens,
-                   args.prefix_tokens, args.output_tokens, vocab, args.seed)  # fmt: skip
+                   args.prefix_tokens, args.output_tokens, vocab, args.seed, level)  # fmt: skip
     before, start = cpu_seconds(args.server_pid), time.perf_counter()
     records = asyncio.run(run(cfg))
     after, wall = cpu_seconds(args.server_pid), time.perf_counter() - start
@@ -277,14 +281,16 @@ def main() -> None:
             cap = args.capacity_rps = capacity(args)
             print(f"plan: capacity {cap:.3f} req/s", file=sys.stderr)
             loads = [round(cap * float(f), 3) for f in args.capacity_fractions.split(",")]
-        for load in loads:
+        for level, load in enumerate(loads):
             if args.tool == "openloop" and args.mode == "open":
-                row = {"load": load, **measure_openloop(args, load)}
+                row = {"load": load, **measure_openloop(args, load, level)}
             else:
                 out = Path(tmp) / f"{load}.json"
                 # guidellm's progress and tables go to stderr: stdout stays this script's
                 subprocess.run(
-                    guidellm_command(args, load, out, tokenizer), check=True, stdout=sys.stderr
+                    guidellm_command(args, load, level, out, tokenizer),
+                    check=True,
+                    stdout=sys.stderr,
                 )
                 report = json.loads(out.read_text())
                 row = {"load": load, **summarise(report, args.slo_ttft, args.slo_tpot)}

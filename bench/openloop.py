@@ -31,6 +31,9 @@ class OpenLoop:
     output_tokens: int
     vocab: int
     seed: int = 0
+    # the i-th load of a series: the same arrivals and shared prefix, unique parts of its own (a
+    # prompt an earlier load sent would hit the prefix cache: its TTFT would be a cached one)
+    level: int = 0
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.requests < 1 or self.output_tokens < 2:
@@ -59,10 +62,12 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def prompts(cfg: OpenLoop) -> list[list[int]]:
-    """Token-id prompts: one shared prefix, then a unique seeded part each (ids >= 2: 0 and 1
-    are BOS and EOS of the presets)."""
+    """Token-id prompts: one shared prefix (the seed's), then a unique part each (the seed's
+    and the level's; ids >= 2: 0 and 1 are BOS and EOS of the presets)."""
     rng = random.Random(cfg.seed + 1)
     prefix = [rng.randrange(2, cfg.vocab) for _ in range(cfg.prefix_tokens)]
+    if cfg.level:
+        rng = random.Random(f"{cfg.seed}/{cfg.level}")
     return [
         prefix + [rng.randrange(2, cfg.vocab) for _ in range(cfg.prompt_tokens)]
         for _ in range(cfg.requests)

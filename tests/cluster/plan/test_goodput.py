@@ -67,3 +67,21 @@ def test_summarise_records_delivered_rate_and_tpot():
     times = arrivals(20000, 4.0, seed=1)  # seeded Poisson: mean gap 1 / rate
     assert times[0] == 0.0 and (len(times) - 1) / times[-1] == pytest.approx(4.0, rel=0.03)
     assert times == arrivals(20000, 4.0, seed=1)
+
+
+def test_each_load_of_a_series_sends_prompts_of_its_own():
+    """A prompt an earlier load sent would hit the prefix cache (ci: the calibration's later
+    loads measured cached TTFTs): each level draws its own unique parts; the arrivals and the
+    shared prefix stay the seed's."""
+    from bench.openloop import OpenLoop, prompts
+
+    levels = [OpenLoop("http://x", "small", 2.0, 50, 16, 8, 4, 32000, seed=3, level=i)
+              for i in range(3)]  # fmt: skip
+    drawn = [prompts(cfg) for cfg in levels]
+    assert all(len(p) == 24 and p[:8] == drawn[0][0][:8] for ps in drawn for p in ps)
+    uniques = [{tuple(p[8:]) for p in ps} for ps in drawn]
+    assert [len(u) for u in uniques] == [50, 50, 50]
+    assert not (uniques[0] & uniques[1]) and not (uniques[1] & uniques[2])
+    assert not (uniques[0] & uniques[2])
+    assert drawn[1] == prompts(levels[1])  # seeded
+    assert all(min(t for p in ps for t in p) >= 2 for ps in drawn)  # not BOS/EOS
