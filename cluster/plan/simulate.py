@@ -11,9 +11,11 @@ leaves out: correlation between ranks' queues and the router's imperfect balance
 Prefill rank: FIFO queue, steps of up to `chunk_tokens` new positions (a long prompt is chunked
 over steps), a prompt's cached prefix read not computed; admission refuses an arrival when the
 queued tokens exceed `max_queued_tokens`. The first token is out at the end of the prompt's last
-chunk (TTFT); its KV then travels to the decode rank. Decode rank: continuous batching up to
-`max_batch` requests within `kv_tokens` of cache; when the cache is full the newest request is
-preempted (recompute: it waits again and pays a prefill of its context).
+chunk (TTFT), plus the wait for the KV reservation the router makes on a decode rank first (the
+rest of the decode step in progress: the rank answers between steps); its KV then travels to
+the decode rank. Decode rank: continuous batching up to `max_batch` requests within `kv_tokens`
+of cache; when the cache is full the newest request is preempted (recompute: it waits again and
+pays a prefill of its context).
 """
 
 import heapq
@@ -122,9 +124,9 @@ def run_decode(
     max_batch: int,
     kv_tokens: int,
     recompute: Callable[[int], float],
-) -> tuple[list[float], float, int, float, float]:
+) -> tuple[list[float], float, int, float, float, int]:
     """-> (time each request's last token is out, mean batch, preemptions, end time, busy
-    seconds).
+    seconds, steps).
     A request arrives with its prompt's KV and its first token; it needs output - 1 steps."""
     end = [0.0] * len(requests)
     waiting: deque[tuple[int, int, float]] = deque()  # (index, tokens done, ready time)
@@ -187,7 +189,7 @@ def run_decode(
             finish = [f for f in finish if f[1] != idx]
             heapq.heapify(finish)
             waiting.appendleft((idx, ctx - requests[idx].prompt, t + recompute(ctx)))
-    return end, batch_sum / max(n_step, 1), preempted, t, busy
+    return end, batch_sum / max(n_step, 1), preempted, t, busy, n_step
 
 
 def simulate(
@@ -211,15 +213,21 @@ def simulate(
     def recompute(ctx: int) -> float:
         return prefill_step(ctx, 1, 0.0)
 
-    last, mean_batch, preempted, d_end, d_busy = run_decode(
+    last, mean_batch, preempted, d_end, d_busy, d_steps = run_decode(
         decode_step, requests, d_arr, config.max_batch, config.kv_tokens, recompute
     )
+    # The router reserves a request's KV blocks on a decode rank before its prefill, and the
+    # rank answers between its steps: an arrival that finds the rank stepping (its busy
+    # fraction) waits out the rest of that step (uniform over a mean step), before the prefill.
+    rng = random.Random(seed + 2)
+    d_util, d_step_s = d_busy / max(d_end, 1e-12), d_busy / max(d_steps, 1)
     ttft, tpot, e2e = [], [], []
     for k, r in enumerate(requests):
+        reserve_s = rng.uniform(0.0, d_step_s) if rng.random() < d_util else 0.0
         if first[k] is None:
             ttft.append(None), tpot.append(None), e2e.append(None)
             continue
-        t1 = first[k] - p_arr[k]
+        t1 = reserve_s + first[k] - p_arr[k]
         decode_s = kv_transfer(r.prompt) + last[k] - d_arr[k]
         ttft.append(t1)
         tpot.append(decode_s / (r.output - 1) if r.output > 1 else None)

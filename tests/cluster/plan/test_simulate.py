@@ -1,6 +1,8 @@
 """The simulator against closed forms: an M/D/1 prefill rank, a saturated decode batch; and
 its bookkeeping (chunking, admission, preemption)."""
 
+import statistics
+
 import pytest
 
 from cluster.plan.simulate import (
@@ -32,11 +34,11 @@ def test_prefill_rank_is_md1(rho):
 def test_saturated_decode_batch_is_batch_over_step():
     """All requests present at once: throughput = batch / step time."""
     reqs = [Request(10, 101, 0)] * 640
-    last, mean_batch, preempted, end, busy = run_decode(
+    last, mean_batch, preempted, end, busy, steps = run_decode(
         lambda b, c: 0.02, reqs, [0.0] * 640, 64, 10**9, lambda c: 0.0
     )
     assert 640 * 100 / end == pytest.approx(64 / 0.02)
-    assert mean_batch == 64 and preempted == 0
+    assert mean_batch == 64 and preempted == 0 and steps == 10 * 100
     assert busy == pytest.approx(end)  # saturated: it steps all the time
     assert sorted(set(last)) == pytest.approx([0.02 * 100 * k for k in range(1, 11)])
 
@@ -53,7 +55,7 @@ def test_preemption_when_the_cache_is_full():
     """A cache of 3,840 positions for 64 requests growing to 110: the newest are preempted,
     recomputed later, and every request still gets all its tokens."""
     reqs = [Request(10, 101, 0)] * 640
-    last, _, preempted, end, _ = run_decode(
+    last, _, preempted, end, _, _ = run_decode(
         lambda b, c: 0.02, reqs, [0.0] * 640, 64, 64 * 60, lambda c: 0.1
     )
     assert preempted > 0
@@ -86,3 +88,21 @@ def test_simulate_combines_both_ranks_and_goodput():
     assert percentile(result.tpot_s, 0) == pytest.approx(0.01)
     assert goodput_fraction(result, 10.0, 1.0) == 1.0
     assert goodput_fraction(result, 0.05, 1.0) == 0.0
+
+
+def test_a_busy_decode_rank_delays_the_reservation_by_half_a_step():
+    """The router reserves on a decode rank before the prefill, answered between its steps: an
+    arrival waits out the step in progress, uniform over [0, step] when the rank steps (its busy
+    fraction u) -> mean TTFT = prefill step + u x step / 2 (hand-computed; the prefill pool so
+    large that a prompt never queues)."""
+    reqs = [Request(100, 401, 0)] * 4000
+    config = SimConfig(prefill_ranks=10**6, decode_ranks=1, chunk_tokens=100, max_batch=10**4)
+    step = 0.04  # the decode rank: 4 s a request, ~20 at once at 5 req/s: busy almost always
+    result = simulate(reqs, 5.0, config, lambda t, n, c: 0.1, lambda b, c: step, lambda n: 0.0)
+    u = result.decode_busy
+    assert 0.9 < u <= 1.0
+    waits = [t - 0.1 for t in result.ttft_s]
+    assert min(waits) >= -1e-12 and max(waits) <= step + 1e-12
+    assert statistics.fmean(waits) == pytest.approx(u * step / 2, rel=0.08)
+    idle = simulate(reqs[:50], 0.01, config, lambda t, n, c: 0.1, lambda b, c: 0.001, lambda n: 0)
+    assert percentile(idle.ttft_s, 50) == pytest.approx(0.1)  # an idle decode rank answers now
