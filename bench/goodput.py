@@ -305,9 +305,9 @@ def main() -> None:
         result["plan_inputs"] = plan_inputs(args, getattr(args, "capacity_rps", None))
     path = record(args.name, result)
     if args.plan:
-        write_md(args.name, path)
+        write_md(path.stem, path)  # beside its json (record() may add a suffix)
     if args.plot:
-        plot(rows, args.mode, RESULTS / f"{args.name}.png")
+        plot(rows, args.mode, RESULTS / f"{path.stem}.png")
     print(json.dumps(result, indent=1) if args.json else f"recorded {path}")
 
 
