@@ -17,7 +17,7 @@ head, tools/small_mtp.py, or --mtp-model); every k decodes the same prompts to t
 (speculation is lossless), and the acceptance of each run is recorded beside its speed.
 
     .venv/bin/python -m bench.vs_llama_cpp [--model small] [--batches 1 8 32] [--repeats 3]
-        [--draft-tokens 0 1 2] [--mtp-model PATH]
+        [--draft-tokens 0 1 2] [--mtp-model PATH] [--draft-head auto|int8|exact]
 """
 
 import argparse
@@ -173,7 +173,7 @@ def main() -> None:
         k: decode_engine(
             args.model if k == 0 else mtp,
             args.python_layers,
-            SpeculativeConfig("mtp", k) if k else None,
+            SpeculativeConfig("mtp", k, draft_head=args.draft_head) if k else None,
         )
         for k in ks
     }
@@ -250,6 +250,7 @@ def main() -> None:
         "model": args.model,
         "mtp_model": mtp,
         "draft_tokens": ks,
+        "draft_head": args.draft_head,
         "oracle_acceptance": args.oracle_acceptance,
         "threads": args.threads,
         "fused_decode_layers": not args.python_layers,
