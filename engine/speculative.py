@@ -27,6 +27,7 @@ import torch
 from engine.cpu_decode import FusedLayer, fused_block
 from engine.request import Request
 from engine.sampler import argmax, sample
+from kernels import hugepages
 from kernels.backend import use_cpu_kernel
 from kernels.mla_attention import cache_slot
 from kernels.quantized import Int8Weight, int8_linear, quantize_rows
@@ -87,6 +88,7 @@ class MtpDrafter:
         self.head_int8: Int8Weight | None = None
         if draft_head == "int8" or (draft_head == "auto" and use_cpu_kernel(weight)):
             self.head_int8 = quantize_rows(weight)
+            hugepages.collapse([self.head_int8.q])  # as the model's weights (moe/model.py)
             log.info(
                 "MTP drafts: an int8 copy of the head, %.1f MB (fp32 %.1f MB)",
                 self.head_int8.nbytes / 1e6,
