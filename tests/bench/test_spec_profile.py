@@ -4,19 +4,11 @@ position each decode step keeps k + 1 tokens."""
 
 from pathlib import Path
 
-import pytest
-
 from bench.decode_speed import decode_engine
 from bench.spec_profile import NEW_TOKENS, decode, instrument
 from bench.step_profile import spent
 from bench.vs_llama_cpp import Oracle
 from engine.config import SpeculativeConfig
-from tests.mtp_checkpoint import write_mtp_random
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_mtp_random(tmp_path_factory.mktemp("mtp-random"))
 
 
 def test_regions_of_an_oracle_run(ckpt: Path) -> None:
