@@ -22,9 +22,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mlp_panels", &mlp_panels, "SiLU-gated MLP over weights packed by pack_panels (fp32)");
   m.def("linear_int8", &linear_int8,
         "x @ (q * scale).T: int8 weight rows with a scale each, fp32 x (the drafts' head)");
+  m.def("linear_int8_vnni", &linear_int8_vnni,
+        "linear_int8 with x quantized per row, on AVX512-VNNI (int8_vnni)");
   m.def("grouped_mlp", &grouped_mlp, "SiLU-gated expert MLPs over slot-sorted rows (fp32)");
   m.def("paged_mla_attention", &paged_mla_attention,
         "absorbed MLA attention over a paged latent cache, one row of heads per query (fp32)");
   m.attr("lanes") = epc::kLanes;
+  m.attr("int8_vnni") = int8_vnni_available();  // this build and CPU: linear_int8_vnni serves
   bind_decode(m);
 }

@@ -16,6 +16,9 @@ torch::Tensor mlp_panels(const torch::Tensor& x, const torch::Tensor& p13, const
                          int64_t I);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scale);
+torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& q,
+                               const torch::Tensor& scale, const torch::Tensor& sums);
+bool int8_vnni_available();
 torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& cache,
                                   const torch::Tensor& tables, const torch::Tensor& lens,
                                   double scale, int64_t rank);

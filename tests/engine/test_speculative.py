@@ -21,7 +21,8 @@ from engine.llm_engine import LLMEngine
 from engine.messages import Resume
 from engine.speculative import num_accepted
 from kernels.backend import use_cpu_kernel
-from kernels.quantized import int8_linear_ref, quantize_rows
+from kernels.cpu.build import cpu_kernels
+from kernels.quantized import int8_linear_ref, int8_linear_vnni_ref, quantize_rows
 from tests.mtp_checkpoint import LAYERS, write_mtp_random
 
 BS = 4
@@ -147,7 +148,10 @@ def test_int8_drafts_take_the_quantized_head(ckpt: Path, monkeypatch: pytest.Mon
     )
     with torch.inference_mode():
         got = drafter.head(hidden)
-        ref = int8_linear_ref(model.mtp[0].shared_head.norm(hidden), want)
+        vnni = cpu_kernels() is not None and cpu_kernels().int8_vnni
+        ref = (int8_linear_vnni_ref if vnni else int8_linear_ref)(
+            model.mtp[0].shared_head.norm(hidden), want
+        )
         exact = model.mtp_head(hidden)
     assert got.shape == exact.shape == (5, model.config.vocab_size) and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
