@@ -170,8 +170,9 @@ def batch_arguments(doc: str, default_name: str, speculative: bool = False) -> a
             "self-distilled head, built once by tools.small_mtp, or the model itself)",
         )
         ap.add_argument(
-            "--draft-head", default="auto", choices=DRAFT_HEADS,
-            help="the head of the drafts' logits (SpeculativeConfig.draft_head)",
+            "--draft-head", nargs="+", default=["auto"], choices=DRAFT_HEADS,
+            help="the head of the drafts' logits (SpeculativeConfig.draft_head); several: an "
+            "engine per k and head, side by side",
         )  # fmt: skip
         ap.add_argument(
             "--oracle-acceptance", type=float,
