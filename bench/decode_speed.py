@@ -28,7 +28,7 @@ import torch
 
 from bench.common import record, workload
 from engine import EngineConfig, SamplingParams
-from engine.config import SpeculativeConfig
+from engine.config import DRAFT_HEADS, SpeculativeConfig
 from engine.llm_engine import LLMEngine
 
 PROBE_GIB = 0.25  # the probes between decode windows: ~10 ms each at 40 GB/s
@@ -169,6 +169,11 @@ def batch_arguments(doc: str, default_name: str, speculative: bool = False) -> a
             help="the checkpoint with an MTP layer for draft tokens > 0 (default: small's "
             "self-distilled head, built once by tools.small_mtp, or the model itself)",
         )
+        ap.add_argument(
+            "--draft-head", nargs="+", default=["auto"], choices=DRAFT_HEADS,
+            help="the head of the drafts' logits (SpeculativeConfig.draft_head); several: an "
+            "engine per k and head, side by side",
+        )  # fmt: skip
         ap.add_argument(
             "--oracle-acceptance", type=float,
             help="also run each k > 0 with a drafter right at this seeded fraction of positions "

@@ -17,7 +17,7 @@ head, tools/small_mtp.py, or --mtp-model); every k decodes the same prompts to t
 (speculation is lossless), and the acceptance of each run is recorded beside its speed.
 
     .venv/bin/python -m bench.vs_llama_cpp [--model small] [--batches 1 8 32] [--repeats 3]
-        [--draft-tokens 0 1 2] [--mtp-model PATH]
+        [--draft-tokens 0 1 2] [--mtp-model PATH] [--draft-head auto|int8|exact ...]
 """
 
 import argparse
@@ -169,15 +169,15 @@ def main() -> None:
     if args.oracle_acceptance is not None and 0 not in ks:
         sys.exit("--oracle-acceptance needs --draft-tokens 0 (the plain run's tokens)")
     mtp = mtp_checkpoint(args) if any(ks) else None
-    engines = {
-        k: decode_engine(
-            args.model if k == 0 else mtp,
-            args.python_layers,
-            SpeculativeConfig("mtp", k) if k else None,
-        )
-        for k in ks
-    }
-    vocab = engines[ks[0]].model.config.vocab_size
+    # one engine per k and drafts' head (named by the head too when several are asked for)
+    heads = list(dict.fromkeys(args.draft_head))
+    engines = {}
+    for k in ks:
+        for head in heads if k else [None]:
+            spec = SpeculativeConfig("mtp", k, draft_head=head) if k else None
+            name = f"engine_k{k}" + (f"_{head}" if k and len(heads) > 1 else "")
+            engines[name] = decode_engine(args.model if k == 0 else mtp, args.python_layers, spec)
+    vocab = next(iter(engines.values())).model.config.vocab_size
     for engine in engines.values():
         run_batch(engine, 2, vocab, seed=999)  # warm-up
     llama_batched_bench(src, gguf, 1, args.threads)  # warm-up (page cache)
@@ -193,10 +193,10 @@ def main() -> None:
             }
             # the same prompts for every k (a function of the seed): the same greedy tokens
             want, seed = None, batch * 10 + repeat
-            for k, engine in engines.items():
-                runs_of_k = [(f"engine_k{k}", None)]
-                if k and args.oracle_acceptance is not None:
-                    runs_of_k.append((f"engine_k{k}_oracle", args.oracle_acceptance))
+            for engine_name, engine in engines.items():
+                runs_of_k = [(engine_name, None)]
+                if engine.config.speculative and args.oracle_acceptance is not None:
+                    runs_of_k.append((f"{engine_name}_oracle", args.oracle_acceptance))
                 for name, p in runs_of_k:
                     drafter = engine.runner.drafter
                     own = drafter.propose if drafter is not None else None
@@ -250,6 +250,7 @@ def main() -> None:
         "model": args.model,
         "mtp_model": mtp,
         "draft_tokens": ks,
+        "draft_head": heads,
         "oracle_acceptance": args.oracle_acceptance,
         "threads": args.threads,
         "fused_decode_layers": not args.python_layers,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DRAFT_HEADS = ("auto", "int8", "exact")  # SpeculativeConfig.draft_head
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,11 @@ class SpeculativeConfig:
     # drafts there costs compute that plain decoding would spend on tokens (vLLM's
     # speculative_disable_by_batch_size)
     max_batch_size: int | None = None
+    # the head the drafts' logits take (the verify always takes the model's own): "int8" a copy
+    # quantized per row once at start (kernels/quantized.py; a quarter of the bytes, and a draft
+    # never changes a token, only how many a step keeps), "exact" the model's own head, "auto"
+    # int8 where the compiled CPU kernels serve the model (fp32 on a CPU), else exact
+    draft_head: str = "auto"
 
     def __post_init__(self) -> None:
         # NOTE: named by the field alone: the cluster's config names it speculative.<field>
@@ -41,6 +47,8 @@ class SpeculativeConfig:
         m = self.max_batch_size
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise EngineConfigError("max_batch_size", "must be a whole number >= 1 or null", m)
+        if self.draft_head not in DRAFT_HEADS:
+            raise EngineConfigError("draft_head", "must be auto, int8 or exact", self.draft_head)
 
 
 class EngineConfigError(ValueError):

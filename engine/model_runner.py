@@ -86,7 +86,9 @@ class ModelRunner:
         ]  # L x [NB, BS, C]
         self.drafter: MtpDrafter | None = None
         if config.speculative is not None:
-            self.drafter = MtpDrafter(model, self.kv_caches, config.block_size)
+            self.drafter = MtpDrafter(
+                model, self.kv_caches, config.block_size, config.speculative.draft_head
+            )
 
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Run decode steps through DecodeGraphs (engine/decode_graphs.py): one more cache

@@ -14,9 +14,12 @@ norm, and the next token) and predicts t_{i+2}; it writes the MTP cache layer at
    cache covers the prompt), and d_1 for the next step from the last one.
 NOTE: drafts only decide how many tokens a step keeps, never which: every kept token is the
 token the target model samples at its position (seeded per position), so a stale or missing MTP
-cache entry (a prefix hit's last block boundary, a preempted request) costs acceptance only.
+cache entry (a prefix hit's last block boundary, a preempted request) costs acceptance only. So
+may the drafts' head be approximate: SpeculativeConfig.draft_head "int8" (the default on the CPU
+kernels) multiplies by an int8 copy of it, a quarter of the bytes a draft reads.
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +27,16 @@ import torch
 from engine.cpu_decode import FusedLayer, fused_block
 from engine.request import Request
 from engine.sampler import argmax, sample
+from kernels import hugepages
 from kernels.backend import use_cpu_kernel
 from kernels.mla_attention import cache_slot
+from kernels.quantized import Int8Weight, int8_linear, quantize_rows
 from kernels.rotary import rope_cos_sin
 from moe.attention import PagedKV
 from moe.model import DeepseekForCausalLM
 from moe.mtp import eh_input
+
+log = logging.getLogger(__name__)
 
 
 def num_accepted(drafts: list[int], targets: list[int]) -> int:
@@ -58,9 +65,17 @@ class MtpDrafter:
     """Runs the MTP layer (depth 0) over the runner's paged caches; cache layer
     num_hidden_layers is its own. On the CPU its block runs compiled where the main layers'
     do (engine/cpu_decode.py: the same numbers, one call instead of the Python layer's
-    ~40 kernel calls)."""
+    ~40 kernel calls). Its logits take the MTP layer's head, or an int8 copy of it made here
+    (draft_head, SpeculativeConfig's: "int8", "exact", or "auto": int8 where the CPU kernels
+    serve)."""
 
-    def __init__(self, model: DeepseekForCausalLM, kv_caches: list[torch.Tensor], block_size: int):
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        draft_head: str = "auto",
+    ) -> None:
         assert len(model.mtp) >= 1, "speculative decoding needs an MTP layer"
         assert len(kv_caches) == model.config.num_hidden_layers + 1, len(kv_caches)
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
@@ -68,6 +83,30 @@ class MtpDrafter:
         if use_cpu_kernel(model.lm_head.weight):
             self.fused = fused_block(model.mtp[0])
         self.num_fused_calls = 0  # MTP calls the compiled block ran (the tests read it)
+        own = model.mtp[0].shared_head.head
+        weight = (model.lm_head if own is None else own).weight  # [V, D]
+        self.head_int8: Int8Weight | None = None
+        if draft_head == "int8" or (draft_head == "auto" and use_cpu_kernel(weight)):
+            self.head_int8 = quantize_rows(weight)
+            hugepages.collapse([self.head_int8.q])  # as the model's weights (moe/model.py)
+            log.info(
+                "MTP drafts: an int8 copy of the head, %.1f MB (fp32 %.1f MB)",
+                self.head_int8.nbytes / 1e6,
+                weight.nbytes / 1e6,
+            )
+
+    @property
+    def draft_head_bytes(self) -> int:
+        """Memory the drafts hold beside the model's weights: the int8 head (0: exact)."""
+        return 0 if self.head_int8 is None else self.head_int8.nbytes
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP block's output [T, D] -> the drafts' logits [T, V] fp32: model.mtp_head, or
+        the same shared_head.norm (fp32) then the int8 copy."""
+        if self.head_int8 is None:
+            return self.model.mtp_head(hidden)
+        normed = self.model.mtp[0].shared_head.norm(hidden)  # [T, D]
+        return int8_linear(normed, self.head_int8).float()
 
     def _kv(self, reqs: list[Request], starts: list[int], counts: list[int]) -> PagedKV:
         """The paged view for rows [start, start + count) of each request (its block table)."""
@@ -127,9 +166,7 @@ class MtpDrafter:
             hidden = torch.stack([r.draft_hidden for r in reqs])  # [B, D]
             prev = [r.draft_token_ids[j - 2] for r in reqs]
             out = self._run(reqs, starts, hidden, prev, [1] * len(reqs))  # [B, D]
-            drafted = self.propose(
-                self.model.mtp_head(out), reqs, [r.num_computed_tokens + j for r in reqs]
-            )
+            drafted = self.propose(self.head(out), reqs, [r.num_computed_tokens + j for r in reqs])
             for r, h, d in zip(reqs, out, drafted):
                 del r.draft_token_ids[j - 1 :]
                 r.draft_token_ids.append(d)
@@ -158,7 +195,7 @@ class MtpDrafter:
         hidden = out[last[drafting]]  # [B, D]
         reqs = [rows[i].req for i in drafting]
         positions = [rows[i].start + counts[i] + 1 for i in drafting]
-        drafted = self.propose(self.model.mtp_head(hidden), reqs, positions)
+        drafted = self.propose(self.head(hidden), reqs, positions)
         for req, h, d in zip(reqs, hidden, drafted):
             req.draft_token_ids, req.draft_hidden = [d], h
 

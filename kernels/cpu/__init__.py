@@ -3,6 +3,7 @@ cpu_kernels() serves them, built on first use only where the install built none 
 
 - gemm.cpp: y = x @ W.T (in place or over panels packed once), the routed experts' MLPs in one
   call per layer.
+- quantized.cpp: y = x @ W.T with W as int8 rows and a scale each (the MTP drafts' head).
 - attention.cpp: absorbed MLA attention over the paged latent cache.
 - ops.cpp: the step's small ops (RMSNorm, rotary, the gate, dispatch sort, combine, argmax).
 - decode_layer.cpp: DecodeLayer, a whole decoder layer of a decode step in one call (a second

@@ -1,6 +1,6 @@
 // The Python module of the compiled CPU kernels: the one PYBIND11_MODULE, binding the entry
-// points of gemm.cpp, attention.cpp and ops.cpp (declared in kernels.h) and decode_layer.cpp's
-// DecodeLayer. kernels/cpu/build.py builds it with them.
+// points of gemm.cpp, quantized.cpp, attention.cpp and ops.cpp (declared in kernels.h) and
+// decode_layer.cpp's DecodeLayer. kernels/cpu/build.py builds it with them.
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -20,9 +20,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "w [N, K] laid out for linear_panels and mlp_panels");
   m.def("linear_panels", &linear_panels, "x @ w.T, w packed by pack_panels (fp32)");
   m.def("mlp_panels", &mlp_panels, "SiLU-gated MLP over weights packed by pack_panels (fp32)");
+  m.def("linear_int8", &linear_int8,
+        "x @ (q * scale).T: int8 weight rows with a scale each, fp32 x (the drafts' head)");
+  m.def("linear_int8_vnni", &linear_int8_vnni,
+        "linear_int8 with x quantized per row, on AVX512-VNNI (int8_vnni)");
   m.def("grouped_mlp", &grouped_mlp, "SiLU-gated expert MLPs over slot-sorted rows (fp32)");
   m.def("paged_mla_attention", &paged_mla_attention,
         "absorbed MLA attention over a paged latent cache, one row of heads per query (fp32)");
   m.attr("lanes") = epc::kLanes;
+  m.attr("int8_vnni") = int8_vnni_available();  // this build and CPU: linear_int8_vnni serves
   bind_decode(m);
 }

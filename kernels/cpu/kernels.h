@@ -1,5 +1,6 @@
-// The compiled CPU kernels' entry points (fp32), defined in gemm.cpp, attention.cpp and ops.cpp;
-// decode_layer.cpp calls them in a decode layer's order, and bindings.cpp binds them for Python.
+// The compiled CPU kernels' entry points (fp32; quantized.cpp's weights are int8), defined in
+// gemm.cpp, quantized.cpp, attention.cpp and ops.cpp; decode_layer.cpp calls them in a decode
+// layer's order, and bindings.cpp binds them for Python.
 #pragma once
 
 #include <torch/extension.h>
@@ -13,6 +14,11 @@ torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor linear_panels(const torch::Tensor& x, const torch::Tensor& p, int64_t n_out);
 torch::Tensor mlp_panels(const torch::Tensor& x, const torch::Tensor& p13, const torch::Tensor& p2,
                          int64_t I);
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scale);
+torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& q,
+                               const torch::Tensor& scale, const torch::Tensor& sums);
+bool int8_vnni_available();
 torch::Tensor paged_mla_attention(const torch::Tensor& q, const torch::Tensor& cache,
                                   const torch::Tensor& tables, const torch::Tensor& lens,
                                   double scale, int64_t rank);

@@ -25,7 +25,14 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 PACKAGE = "kernels.cpu"
 PREFIX = "_ext_"
-SOURCES = ("gemm.cpp", "attention.cpp", "ops.cpp", "decode_layer.cpp", "bindings.cpp")
+SOURCES = (
+    "gemm.cpp",
+    "quantized.cpp",
+    "attention.cpp",
+    "ops.cpp",
+    "decode_layer.cpp",
+    "bindings.cpp",
+)
 HEADERS = ("simd.h", "kernels.h")
 # NOTE: no -march=native: a build must depend only on the capability in its name.
 FLAGS = {

@@ -1,6 +1,7 @@
-// The vector layer of the CPU kernels (kernels/cpu/gemm.cpp, kernels/cpu/attention.cpp): one
-// fp32 vector type for the width the build targets (AVX-512: 16 lanes, else AVX2 + FMA: 8), the
-// dot-product tile both kernels are made of, and an exp accurate to a few ulp.
+// The vector layer of the CPU kernels (kernels/cpu/gemm.cpp, kernels/cpu/attention.cpp,
+// kernels/cpu/quantized.cpp): one fp32 vector type for the width the build targets (AVX-512: 16
+// lanes, else AVX2 + FMA: 8), int8 loaded as fp32, the dot-product tile both fp32 kernels are
+// made of, and an exp accurate to a few ulp.
 //
 // Every dot product here sums in one fixed order that depends only on its length (lane-wise
 // partial sums, then the lanes), never on how many rows share a call: a row's result does not
@@ -23,6 +24,10 @@ inline vec vset(float x) { return _mm512_set1_ps(x); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vload_n(const float* p, int n) {  // the first n lanes, zeros after
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline vec vload_i8(const int8_t* p) {  // kLanes int8 as fp32 (exact)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline void vstore_n(float* p, vec v, int n) {
@@ -54,6 +59,10 @@ inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vset(float x) { return _mm256_set1_ps(x); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vload_n(const float* p, int n) { return _mm256_maskload_ps(p, lane_mask(n)); }
+inline vec vload_i8(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline void vstore_n(float* p, vec v, int n) { _mm256_maskstore_ps(p, lane_mask(n), v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }

@@ -9,12 +9,6 @@ import pytest
 from bench.decode_speed import decode_engine, run_batch
 from bench.vs_llama_cpp import Oracle, engine_pair
 from engine.config import SpeculativeConfig
-from tests.mtp_checkpoint import write_mtp_random
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_mtp_random(tmp_path_factory.mktemp("mtp-random"))
 
 
 def test_oracle_runs_accept_what_they_are_told_and_keep_the_tokens(ckpt: Path) -> None:

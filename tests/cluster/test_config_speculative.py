@@ -26,6 +26,9 @@ def test_speculative_in_the_engine_section_with_the_default_k_and_a_flag():
     assert flag.engine_config("decode").speculative == SpeculativeConfig("mtp", 3)
     gated = ClusterConfig.from_dict({"engine": {"speculative": {"max_batch_size": 8}}})
     assert gated.engine_config("decode").speculative == SpeculativeConfig("mtp", 1, 8)
+    assert gated.engine_config("decode").speculative.draft_head == "auto"
+    exact = ClusterConfig.from_dict({"engine": {"speculative": {"draft_head": "exact"}}})
+    assert exact.engine_config("decode").speculative == SpeculativeConfig(draft_head="exact")
 
 
 BAD = {
@@ -36,6 +39,10 @@ BAD = {
     "max batch size": (
         {"decode": {"engine": {"speculative": {"max_batch_size": 0}}}},
         "decode.engine.speculative.max_batch_size must be a whole number >= 1 or null (got 0)",
+    ),
+    "draft head": (
+        {"decode": {"engine": {"speculative": {"draft_head": "int4"}}}},
+        "decode.engine.speculative.draft_head must be auto, int8 or exact (got 'int4')",
     ),
     "method": (
         {"engine": {"speculative": {"method": "eagle"}}},

@@ -2,6 +2,8 @@
 without speculation, token for token (greedy and seeded sampling), over batching, chunked
 prefill, stops, max_tokens, preemption and prefix caching; rejected drafts leave no block
 behind; an oracle drafter (drafts equal to the target's tokens) exercises the accept path.
+The drafts' head: the default on the CPU kernels (an int8 copy) and the exact one both keep the
+tokens, and the int8 drafts' logits are the quantized head's (torch over q * scale).
 
 The model (tests/mtp_checkpoint.py): tiny-random with one random MTP layer, whose drafts are
 mostly wrong, so correctness cannot lean on them."""
@@ -18,6 +20,9 @@ from engine.config import EngineConfig, EngineConfigError, KVTiersConfig, Specul
 from engine.llm_engine import LLMEngine
 from engine.messages import Resume
 from engine.speculative import num_accepted
+from kernels.backend import use_cpu_kernel
+from kernels.cpu.build import cpu_kernels
+from kernels.quantized import int8_linear_ref, int8_linear_vnni_ref, quantize_rows
 from tests.mtp_checkpoint import LAYERS, write_mtp_random
 
 BS = 4
@@ -34,8 +39,19 @@ def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [torch.randint(2, 512, (k,), generator=gen).tolist() for k in lengths]
 
 
-def spec(k: int) -> SpeculativeConfig:
-    return SpeculativeConfig("mtp", k)
+def spec(k: int, draft_head: str = "auto") -> SpeculativeConfig:
+    return SpeculativeConfig("mtp", k, draft_head=draft_head)
+
+
+def assert_draft_head(llm: LLM, draft_head: str) -> None:
+    """The drafter holds an int8 head where draft_head asks for one ("auto": on the CPU
+    kernels, which serve this fp32 CPU model where they built)."""
+    drafter = llm.engine.runner.drafter
+    cpu = use_cpu_kernel(llm.engine.model.lm_head.weight)
+    assert (drafter.head_int8 is not None) == (draft_head == "int8" or draft_head == "auto" and cpu)
+    assert drafter.draft_head_bytes == (
+        0 if drafter.head_int8 is None else drafter.head_int8.nbytes
+    )
 
 
 def mixed_params(n: int, temperature: float) -> list[SamplingParams]:
@@ -87,14 +103,17 @@ def test_num_accepted_is_the_matching_prefix() -> None:
     assert num_accepted([3], [2, 3]) == 0
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_greedy_equals_greedy_without_speculation(ckpt: Path, k: int) -> None:
+@pytest.mark.parametrize(
+    ("k", "draft_head"), [(1, "auto"), (2, "auto"), (3, "auto"), (1, "exact"), (3, "exact")]
+)
+def test_greedy_equals_greedy_without_speculation(ckpt: Path, k: int, draft_head: str) -> None:
     """16 requests of 3-60 tokens in one batch, chunked prefill (16 tokens a step)."""
     batch = prompts(16, 3, 60, seed=1)
     params = mixed_params(16, 0.0)
     options = dict(block_size=BS, max_num_batched_tokens=16)
     want = outputs(LLM(str(ckpt), **options), batch, params)
-    llm = LLM(str(ckpt), speculative=spec(k), **options)
+    llm = LLM(str(ckpt), speculative=spec(k, draft_head), **options)
+    assert_draft_head(llm, draft_head)
     assert outputs(llm, batch, params) == want
     e = llm.engine
     assert e.num_draft_tokens >= e.num_spec_verifies > 0
@@ -103,12 +122,48 @@ def test_greedy_equals_greedy_without_speculation(ckpt: Path, k: int) -> None:
     assert len(e.runner.kv_caches) == LAYERS + 1  # the MTP layer's own cache layer
 
 
-def test_seeded_sampling_equals_sampling_without_speculation(ckpt: Path) -> None:
+@pytest.mark.parametrize("draft_head", ["auto", "exact", "int8"])
+def test_seeded_sampling_equals_sampling_without_speculation(ckpt: Path, draft_head: str) -> None:
     batch = prompts(12, 5, 40, seed=2)
     params = mixed_params(12, 0.9)
     want = outputs(LLM(str(ckpt), block_size=BS), batch, params)
     for k in (1, 3):
-        assert outputs(LLM(str(ckpt), block_size=BS, speculative=spec(k)), batch, params) == want
+        llm = LLM(str(ckpt), block_size=BS, speculative=spec(k, draft_head))
+        assert_draft_head(llm, draft_head)
+        assert outputs(llm, batch, params) == want
+
+
+def test_int8_drafts_take_the_quantized_head(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 drafter's logits are shared_head.norm, then the main head quantized per row
+    (this checkpoint's MTP layer shares it), as torch computes them over q * scale; the exact
+    drafter's are model.mtp_head's. On the torch paths (EPCLUSTER_KERNELS=reference), "auto"
+    keeps the exact head and "int8" takes the reference product: the tokens stay."""
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(13))  # [T, D]
+    llm = LLM(str(ckpt), block_size=BS, speculative=spec(1, "int8"))
+    model, drafter = llm.engine.model, llm.engine.runner.drafter
+    assert model.mtp[0].shared_head.head is None  # the main lm_head serves the MTP layer
+    want = quantize_rows(model.lm_head.weight)
+    assert torch.equal(drafter.head_int8.q, want.q) and torch.equal(
+        drafter.head_int8.scale, want.scale
+    )
+    with torch.inference_mode():
+        got = drafter.head(hidden)
+        vnni = cpu_kernels() is not None and cpu_kernels().int8_vnni
+        ref = (int8_linear_vnni_ref if vnni else int8_linear_ref)(
+            model.mtp[0].shared_head.norm(hidden), want
+        )
+        exact = model.mtp_head(hidden)
+    assert got.shape == exact.shape == (5, model.config.vocab_size) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, exact)  # an approximation: 8 bits a weight
+    torch.testing.assert_close(got, exact, rtol=0, atol=0.05 * exact.abs().max().item())
+    monkeypatch.setenv("EPCLUSTER_KERNELS", "reference")
+    batch, params = prompts(4, 5, 20, seed=14), mixed_params(4, 0.9)
+    want_out = outputs(LLM(str(ckpt), block_size=BS), batch, params)
+    for draft_head in ("auto", "int8"):
+        llm = LLM(str(ckpt), block_size=BS, speculative=spec(2, draft_head))
+        assert (llm.engine.runner.drafter.head_int8 is None) == (draft_head == "auto")
+        assert outputs(llm, batch, params) == want_out
 
 
 def test_logprobs_are_the_target_rows(ckpt: Path) -> None:
@@ -353,6 +408,7 @@ def test_off_without_an_mtp_layer(caplog: pytest.LogCaptureFixture) -> None:
         dict(method="eagle"),
         dict(max_batch_size=0),
         dict(max_batch_size=2.5),
+        dict(draft_head="int4"),
     ],
 )
 def test_speculative_config_is_checked(bad: dict) -> None:

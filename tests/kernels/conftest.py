@@ -1,6 +1,10 @@
+import os
+from types import ModuleType
+
 import pytest
 import torch
 
+from kernels.cpu.build import cpu_kernels
 from tests.kernels.branches import DotRecorder
 
 
@@ -15,3 +19,16 @@ def dots(monkeypatch: pytest.MonkeyPatch) -> DotRecorder:
     """The interpreter's tl.dot counted by kind, with bf16 dots made exact (tests/kernels/
     branches.py)."""
     return DotRecorder(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    """The compiled CPU kernels (built here where the install built none: make test has a
+    compiler); skips where they cannot serve."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2 on this CPU: the torch paths serve")
+    if os.environ.get("EPCLUSTER_CPU_KERNEL") == "0":
+        pytest.skip("EPCLUSTER_CPU_KERNEL=0")
+    module = cpu_kernels()
+    assert module is not None, "the CPU kernels did not build (see the warning)"
+    return module

@@ -11,22 +11,11 @@ import time
 import pytest
 import torch
 
-from kernels.cpu.build import clear_stale_lock, cpu_kernels
+from kernels.cpu.build import clear_stale_lock
 from kernels.linear import linear, panels
 from kernels.mla_attention import paged_latent_attention, paged_latent_attention_ref
 from kernels.moe_mlp import dense_mlp, grouped_expert_mlp, grouped_expert_mlp_ref
 from tests.kernels.test_mla_attention import paged_case
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("no AVX2 on this CPU: the torch paths serve")
-    if os.environ.get("EPCLUSTER_CPU_KERNEL") == "0":
-        pytest.skip("EPCLUSTER_CPU_KERNEL=0")
-    module = cpu_kernels()
-    assert module is not None, "the CPU kernels did not build (see the warning)"
-    return module
 
 
 def reference(monkeypatch, fn, *args):
