@@ -144,7 +144,9 @@ void bind_decode(pybind11::module& m) {
       .def_readwrite("w2", &DecodeLayer::w2)
       .def_readwrite("log2slot", &DecodeLayer::log2slot)
       .def_readwrite("slots", &DecodeLayer::slots)
-      .def("attention", &DecodeLayer::attention,
+      // without the GIL, as the module's kernels (bindings.cpp)
+      .def("attention", &DecodeLayer::attention, py::call_guard<py::gil_scoped_release>(),
            "x [T, D] -> (x + attention, its post-attention norm)")
-      .def("forward", &DecodeLayer::forward, "x [T, D] -> (x after the layer, slot counts)");
+      .def("forward", &DecodeLayer::forward, py::call_guard<py::gil_scoped_release>(),
+           "x [T, D] -> (x after the layer, slot counts)");
 }
