@@ -76,10 +76,22 @@ def _local(args: argparse.Namespace):  # -> (PlanModel, Workload at rate 1, Loca
     prompt = args.prompt_tokens + args.prefix_tokens
     work = Workload("bench", 1.0, prompt, args.output_tokens, hit)
     cluster = LocalCluster(
-        prefill, decode, background_busy=args.background_busy, cpu_s_per_token=args.cpu_per_token,
+        prefill, decode, background_busy=args.background_busy,
+        cpu_s_per_request=args.cpu_per_request, cpu_s_per_step=args.cpu_per_step,
         request_latency_s=args.request_latency or 0.0,
     )  # fmt: skip
     return load_model(args.model), work, cluster
+
+
+def serving_constants(args: argparse.Namespace) -> None:
+    """--background-busy, --cpu-per-request, --cpu-per-step: given, else --serving-cpu's fit,
+    else 0."""
+    fit = json.loads(Path(args.serving_cpu).read_text())["fit"] if args.serving_cpu else {}
+    names = {"background_busy": "background_busy", "cpu_per_request": "cpu_s_per_request",
+             "cpu_per_step": "cpu_s_per_step"}  # fmt: skip
+    for arg, key in names.items():
+        if getattr(args, arg) is None:
+            setattr(args, arg, fit.get(key, 0.0))
 
 
 def level_requests(args: argparse.Namespace, load: float) -> int:
@@ -124,9 +136,13 @@ def capacity(args: argparse.Namespace) -> float:
 
 
 def cpu_seconds(server_pid: int | None) -> dict[str, float]:
-    """CPU seconds so far of the router (the serve process), its rank actors, the rest of its
-    process tree (Ray's daemons) and this load generator: who used the cores during a load."""
+    """CPU seconds so far of the router (the serve process), its ranks' engine threads (named
+    engine.loop.OS_THREAD_NAME) and their other threads (serving: Ray calls, streaming, the KV
+    transport), the rest of its process tree (Ray's daemons) and this load generator: who used
+    the cores during a load."""
     import psutil
+
+    from engine.loop import OS_THREAD_NAME
 
     def used(proc: psutil.Process) -> float:
         try:
@@ -135,7 +151,19 @@ def cpu_seconds(server_pid: int | None) -> dict[str, float]:
         except psutil.Error:
             return 0.0
 
-    out = {"client": used(psutil.Process()), "router": 0.0, "ranks": 0.0, "ray_other": 0.0}
+    def engine_threads(proc: psutil.Process) -> float:
+        total = 0.0
+        try:
+            for t in proc.threads():
+                comm = Path(f"/proc/{proc.pid}/task/{t.id}/comm")
+                if comm.read_bytes().strip() == OS_THREAD_NAME:
+                    total += t.user_time + t.system_time
+        except (psutil.Error, OSError):  # gone, or a thread ended meanwhile
+            pass
+        return total
+
+    out = {"client": used(psutil.Process()), "router": 0.0, "rank_engines": 0.0,
+           "rank_serving": 0.0, "ray_other": 0.0}  # fmt: skip
     if server_pid is None:
         return out
     root = psutil.Process(server_pid)
@@ -145,8 +173,12 @@ def cpu_seconds(server_pid: int | None) -> dict[str, float]:
             name = " ".join(child.cmdline()[:1])
         except psutil.Error:
             continue
-        key = "ranks" if name.startswith(("ray::Prefill", "ray::Decode")) else "ray_other"
-        out[key] += used(child)
+        if name.startswith(("ray::Prefill", "ray::Decode")):
+            engine = engine_threads(child)
+            out["rank_engines"] += engine
+            out["rank_serving"] += used(child) - engine
+        else:
+            out["ray_other"] += used(child)
     return out
 
 
@@ -178,7 +210,9 @@ def plan_inputs(args: argparse.Namespace, capacity_rps: float | None) -> dict:
         "capacity_rps": capacity_rps,
         "request_latency_s": args.request_latency,
         "background_busy": args.background_busy,
-        "cpu_s_per_token": args.cpu_per_token,
+        "cpu_s_per_request": args.cpu_per_request,
+        "cpu_s_per_step": args.cpu_per_step,
+        "serving_cpu": args.serving_cpu,
         "probe": probe(),
     }
 
@@ -234,16 +268,25 @@ def main() -> None:
         "--capacity-fractions", help="with --plan: loads as these shares of the plan's capacity"
     )
     parser.add_argument(
-        "--background-busy",
-        type=float,
-        default=0.0,
-        help="with --plan: cores busy besides the ranks whatever the load (Ray's daemons)",
+        "--serving-cpu",
+        metavar="RESULT",
+        help="with --plan: the serving work's constants measured by bench/serving_cpu.py "
+        "(its result file; the three options below override)",
     )
     parser.add_argument(
-        "--cpu-per-token",
+        "--background-busy",
         type=float,
-        default=0.0,
-        help="with --plan: router + load generator CPU seconds per output token",
+        help="with --plan: cores busy besides the engine threads whatever the load",
+    )
+    parser.add_argument(
+        "--cpu-per-request",
+        type=float,
+        help="with --plan: serving CPU seconds per request (router, client, ranks' serving)",
+    )
+    parser.add_argument(
+        "--cpu-per-step",
+        type=float,
+        help="with --plan: serving CPU seconds per decode step of a rank",
     )
     parser.add_argument(
         "--request-latency",
@@ -261,6 +304,7 @@ def main() -> None:
         "(its measurements kept, at their delivered rates) instead of measuring",
     )
     args = parser.parse_args()
+    serving_constants(args)
     if args.replan:
         replan(args)
         return

@@ -6,9 +6,16 @@ A fixed point: time the decode pool's steps as one of D + P x u_p + other busy t
 the prefill pool's busy fraction) and the prefill pool's as one of P + D x u_d + other (u_d: the
 decode pool's), simulate, take the busy fractions the simulation reports, and again, a few
 rounds (it settles in two or three: a busier pool slows the other, which then is busier).
-`other`: the cores kept busy besides the ranks: Ray's daemons (a constant) and the router and
-the load generator, which spend CPU per output token they stream (measured constants the caller
-states: bench/goodput.py's CPU accounting of a run outside the compared ones).
+`other`: the serving work, the cores kept busy besides the ranks' engine threads: Ray's daemons
+and idle threads (a constant), and the router, the load generator and the ranks' serving
+threads, which spend CPU per request (HTTP, the reservation, prefill and decode calls) and per
+decode step (a step's deltas streamed through Ray, the router and the HTTP stream): constants
+measured by bench/serving_cpu.py on loads apart from the compared ones.
+
+Where every rank thread has a core of its own (P + D <= cores), the serving work is not spread
+evenly: the kernel puts a woken thread where a core is idle, so it lands on each core in
+proportion to the time that core's rank thread leaves it idle (`core_shares`), and a bursty
+rank (prefill at low load) shares its core with most of it.
 """
 
 import statistics
@@ -17,7 +24,7 @@ from dataclasses import dataclass
 from cluster.plan.cost import StepCost, exchanges_per_step
 from cluster.plan.models import PlanModel
 from cluster.plan.planner import ModelCosts, predict_fixed
-from cluster.plan.probe import cpu_hardware
+from cluster.plan.probe import cpu_hardware, probe
 from cluster.plan.simulate import goodput_fraction, percentile
 from cluster.plan.workload import Workload
 
@@ -33,7 +40,8 @@ class LocalCluster:
     decode_ranks: int
     kv_cache_bytes: float = 256 * 2**20  # EngineConfig.kv_cache_bytes
     background_busy: float = 0.0  # cores busy whatever the load (Ray's daemons)
-    cpu_s_per_token: float = 0.0  # router + load generator CPU seconds per output token
+    cpu_s_per_request: float = 0.0  # serving CPU seconds per request
+    cpu_s_per_step: float = 0.0  # serving CPU seconds per decode step of a rank
     # the router's own part of a TTFT (HTTP, the decode reservation and the prefill call as Ray
     # actor calls, the first delta back), measured on the idle cluster: added to TTFT and e2e
     request_latency_s: float = 0.0
@@ -41,15 +49,22 @@ class LocalCluster:
     def __post_init__(self) -> None:
         if min(self.prefill_ranks, self.decode_ranks) < 1:
             raise ValueError("prefill_ranks, decode_ranks >= 1")
-        if min(self.background_busy, self.cpu_s_per_token, self.request_latency_s) < 0:
-            raise ValueError("background_busy, cpu_s_per_token, request_latency_s must be >= 0")
+        costs = (self.background_busy, self.cpu_s_per_request, self.cpu_s_per_step)
+        if min(*costs, self.request_latency_s) < 0:
+            raise ValueError(
+                "background_busy, cpu_s_per_request, cpu_s_per_step, request_latency_s must be >= 0"
+            )
 
-    def other_busy(self, output_tokens_per_s: float) -> float:
-        """Cores busy besides the ranks at this output rate."""
-        return self.background_busy + self.cpu_s_per_token * output_tokens_per_s
+    def other_busy(self, requests_per_s: float, decode_steps_per_s: float) -> float:
+        """Cores the serving work keeps busy at these rates (decode steps of all its ranks)."""
+        return (
+            self.background_busy
+            + self.cpu_s_per_request * requests_per_s
+            + self.cpu_s_per_step * decode_steps_per_s
+        )
 
-    def costs(self, model: PlanModel, busy_threads: float) -> ModelCosts:
-        hw = cpu_hardware(busy_threads=max(1.0, busy_threads))
+    def costs(self, model: PlanModel, busy_threads: float, core_share: float = 1.0) -> ModelCosts:
+        hw = cpu_hardware(busy_threads=max(1.0, busy_threads), core_share=core_share)
         # NOTE: no two-batch overlap: a rank's one thread both computes and drives gloo
         return ModelCosts(model, hw, 1, "fp32", "fp32", two_batch_overlap=False, redundant=0,
                           kv_budget_bytes=self.kv_cache_bytes)  # fmt: skip
@@ -69,12 +84,18 @@ def predict_local(
     should see: medians and p90s pooled over `replicas` seeded runs, throughput and goodput, the
     mean steps, and the busy fractions and threads of the last round."""
     p, d = cluster.prefill_ranks, cluster.decode_ranks
-    other = cluster.other_busy(work.rate * work.output_mean)
+    cores = probe()["cores"]
     u_p = u_d = 1.0  # start from everything busy: the fixed point is approached from above
     c_p = c_d = 1.0  # the share of a step a rank's thread computes (not waiting in an exchange)
+    steps = 1.0 / cluster.costs(model, p + d).decode_cost(d, 1, work.prompt_mean).time_s
     for _ in range(rounds):
+        other = cluster.other_busy(work.rate, d * steps)
         busy_p, busy_d = p + d * u_d * c_d + other, d + p * u_p * c_p + other
-        costs_p, costs_d = cluster.costs(model, busy_p), cluster.costs(model, busy_d)
+        share_p, share_d = core_shares(cores, p, d, u_p * c_p, u_d * c_d, other)
+        costs_p, costs_d = (
+            cluster.costs(model, busy_p, share_p),
+            cluster.costs(model, busy_d, share_d),
+        )
         plans = [
             predict_fixed(
                 costs_p, work, p, d, slo_ttft, slo_tpot, CHUNK, BATCH, requests,
@@ -86,6 +107,10 @@ def predict_local(
         u_d = statistics.fmean(x.sim.decode_busy for x in plans)
         c_p = _computing(model, costs_p, p, plans[0].prefill_step)
         c_d = _computing(model, costs_d, d, plans[0].decode_step)
+        # a decode rank's steps per second: its output tokens over the requests in a step
+        steps = statistics.fmean(
+            x.sim.decode_tokens_per_s / x.sim.decode_batch for x in plans if x.sim.decode_batch
+        )
     extra = cluster.request_latency_s
     ttft = [None if t is None else t + extra for x in plans for t in x.sim.ttft_s]
     tpot = [t for x in plans for t in x.sim.tpot_s]
@@ -108,7 +133,27 @@ def predict_local(
         "prefill_busy": u_p, "decode_busy": u_d,
         "prefill_computing": c_p, "decode_computing": c_d,
         "prefill_busy_threads": busy_p, "decode_busy_threads": busy_d,
+        "prefill_core_share": share_p, "decode_core_share": share_d, "other_busy": other,
     }  # fmt: skip
+
+
+def core_shares(
+    cores: float, p: int, d: int, b_p: float, b_d: float, other: float
+) -> tuple[float, float]:
+    """The share of its core a computing prefill and decode rank thread gets, when every rank
+    thread has a core of its own (P + D <= cores; else 1, 1: the busy-thread sharing alone).
+    b_p, b_d: a rank thread's busy fraction; other: the cores' worth of serving work (router,
+    load generator, Ray, the ranks' own serving threads). The kernel puts a woken thread where a
+    core is idle, so the serving work lands on each core in proportion to the time its rank
+    thread leaves it idle, and the rank thread on that core waits while it runs: a bursty rank
+    (prefill at low load) shares its core with most of it, a steady one (decode) with little."""
+    if p + d > cores:
+        return 1.0, 1.0
+    idle = cores - p * b_p - d * b_d  # cores' worth of idle time, the empty cores' included
+    if idle <= 0:
+        return 1.0, 1.0
+    lost_p, lost_d = other * (1 - b_p) / idle, other * (1 - b_d) / idle
+    return max(0.1, 1 - lost_p), max(0.1, 1 - lost_d)
 
 
 def _computing(model: PlanModel, costs: ModelCosts, ranks: int, step: StepCost) -> float:
@@ -127,12 +172,13 @@ def capacity_rps(model: PlanModel, work: Workload, cluster: LocalCluster) -> flo
     p, d = cluster.prefill_ranks, cluster.decode_ranks
     new = work.prompt_mean * (1 - work.prefix_hit)
     seqs = max(1, int(CHUNK // new))
-    rate, c_p, c_d = 0.0, 1.0, 1.0
+    rate, c_p, c_d, steps = 0.0, 1.0, 1.0, 0.0
     for _ in range(8):
-        other = cluster.other_busy(rate * work.output_mean)
+        other = cluster.other_busy(rate, d * steps)
         costs = cluster.costs(model, p * c_p + d * c_d + other)
         prefill = costs.prefill_cost(p, int(seqs * new), seqs, work.prompt_mean - new)
         decode = costs.decode_cost(d, BATCH, work.prompt_mean + work.output_mean / 2)
+        steps = 1.0 / decode.time_s
         c_p, c_d = _computing(model, costs, p, prefill), _computing(model, costs, d, decode)
         per_request = max(work.output_mean - 1, 1)
         rate = min(p * seqs / prefill.time_s, d * BATCH / decode.time_s / per_request)

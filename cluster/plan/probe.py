@@ -194,13 +194,15 @@ def save(result: dict[str, float]) -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
 
 
-def _shared(one: float, every: float, cores: float, busy: float) -> float:
-    """What one of `busy` threads gets of a resource that one thread alone reaches at `one`
-    and all the cores together at `every`."""
-    return min(one * min(1.0, cores / busy), every / busy)
+def _shared(one: float, every: float, share: float, busy: float) -> float:
+    """What one of `busy` threads, running `share` of the time, gets of a resource that one
+    thread alone reaches at `one` and all the cores together at `every`."""
+    return min(one * share, every / busy)
 
 
-def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Hardware:
+def cpu_hardware(
+    refresh: bool = False, busy_threads: float | None = None, core_share: float = 1.0
+) -> Hardware:
     """This machine: whole (`busy_threads` None: all threads of one process), or as one
     single-threaded rank among `busy_threads` threads that compete for its cores and memory
     bandwidth (the module docstring's sharing)."""
@@ -215,14 +217,15 @@ def cpu_hardware(refresh: bool = False, busy_threads: float | None = None) -> Ha
         if busy_threads < 1:
             raise ValueError(f"busy_threads must be >= 1 (got {busy_threads})")
         cores = float(m.get("cores", m["threads"]))
-        bw = _shared(m["read_bw_1t"], bw, cores, busy_threads)
-        flops = _shared(m["fp32_flops_1t"], flops, cores, busy_threads)
+        share = min(1.0, cores / busy_threads, core_share)
+        bw = _shared(m["read_bw_1t"], bw, share, busy_threads)
+        flops = _shared(m["fp32_flops_1t"], flops, share, busy_threads)
         memory /= max(1.0, busy_threads)
         what = f"one thread of {busy_threads:.2f} busy on {cores:.0f} cores"
         # measured with 2 busy threads and with 2 + cores: linear in the threads beyond 2
         busy = m.get("exchange_latency_busy_s", latency)
         latency = max(latency, latency + (busy - latency) * (busy_threads - 2) / cores)
-        slow = max(1.0, busy_threads / cores)
+        slow = 1.0 / share
     step = m.get("step_overhead_s")
     return Hardware(
         name="cpu",

@@ -2,11 +2,12 @@
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loop import EngineLoop
+from engine.loop import OS_THREAD_NAME, EngineLoop, name_os_thread
 
 
 def test_loop_runs_submitted_requests_and_idles_quietly():
@@ -112,3 +113,18 @@ def test_work_given_to_a_resting_rank_wakes_its_partners_once():
         assert woke == [1]
     finally:
         loop.stop()
+
+
+def test_the_engine_thread_gets_its_kernel_name():
+    """Its name in /proc (what bench/goodput.py's CPU accounting of a rank looks for)."""
+    seen = []
+
+    def body() -> None:
+        name_os_thread(OS_THREAD_NAME)
+        comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+        seen.append(comm.read_bytes().strip())
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(10)
+    assert seen == [OS_THREAD_NAME]
