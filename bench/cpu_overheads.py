@@ -15,6 +15,11 @@ measured, for the plan's CPU entry (cluster/plan/probe.py).
    roofline on two busy threads' share, the probe's exchange latency per round trip, the lone
    engine's overheads) is what an EP rank adds: a line through the two batches gives
    ep_step_overhead_s + ep_sequence_overhead_s x batch.
+4. The engine of 1 and 2 prefills again, alone and beside a neighbour engine decoding without
+   pause on the other core, and decodes a batch of 3, alone and beside a neighbour prefilling
+   without pause (bench/corun.py): how much slower a step computes when another rank computes
+   beside it (corun_prefill, corun_decode; the local plan weighs them by the other pool's busy
+   fraction where every rank has a core of its own).
 
 Each is written into the probe's cache beside the bandwidth and peak (and recorded in
 bench/results/cpu_overheads_<model>.json). Nothing here comes from a cluster or a goodput run.
@@ -25,10 +30,12 @@ bench/results/cpu_overheads_<model>.json). Nothing here comes from a cluster or 
 import argparse
 import os
 import time
+from functools import partial
 
 import torch
 
 from bench.common import record, workload
+from bench.corun import NEIGHBOUR_BATCH, beside
 from cluster.plan.cost import Unit, decode_step, prefill_step
 from cluster.plan.models import load_model
 from cluster.plan.probe import cpu_hardware, probe, save
@@ -153,6 +160,18 @@ def main() -> None:
     prefill = {"tokens": PROMPT, "step_ms": measured * 1e3, "roofline_ms": roofline * 1e3,
                "token_overhead_us": per_token * 1e6}  # fmt: skip
     print("prefill", prefill)
+    # Step 4: the same steps beside a neighbour computing on the other core, side by side
+    alone = prefill_seconds(engine, args.prompts)
+    with_decode = beside(args.model, "decode", partial(prefill_seconds, engine, args.prompts))
+    decode_alone = decode_seconds(engine, NEIGHBOUR_BATCH, args.steps, 5000)
+    timed = partial(decode_seconds, engine, NEIGHBOUR_BATCH, args.steps, 6000)
+    with_prefill = beside(args.model, "prefill", timed)
+    corun = {"prefill_alone_ms": alone * 1e3, "prefill_beside_decode_ms": with_decode * 1e3,
+             "decode_alone_ms": decode_alone * 1e3,
+             "decode_beside_prefill_ms": with_prefill * 1e3,
+             "corun_prefill": with_decode / alone,
+             "corun_decode": with_prefill / decode_alone}  # fmt: skip
+    print("corun", corun)
     del engine
     # Step 3: an EP2 pair's decode, beyond the plan's EP2 step with the overheads above
     cache = probe()
@@ -170,7 +189,8 @@ def main() -> None:
     ep_step, ep_seq = _line(lo, ep_lo, hi, ep_hi)
     measured_now = {"step_overhead_s": per_step, "sequence_overhead_s": per_seq,
                     "prefill_token_overhead_s": per_token, "ep_step_overhead_s": ep_step,
-                    "ep_sequence_overhead_s": ep_seq}  # fmt: skip
+                    "ep_sequence_overhead_s": ep_seq, "corun_prefill": corun["corun_prefill"],
+                    "corun_decode": corun["corun_decode"]}  # fmt: skip
     cache = cache | measured_now | {"overheads": f"bench/cpu_overheads.py --batches {args.batches}"}
     save(cache)
     result = {
@@ -179,6 +199,7 @@ def main() -> None:
         "batches": rows,
         "prefill": prefill,
         "ep2_batches": ep_rows,
+        "corun": corun,
         "step_overhead_ms": per_step * 1e3,
         "sequence_overhead_ms": per_seq * 1e3,
         "prefill_token_overhead_us": per_token * 1e6,

@@ -12,10 +12,12 @@ threads, which spend CPU per request (HTTP, the reservation, prefill and decode 
 decode step (a step's deltas streamed through Ray, the router and the HTTP stream): constants
 measured by bench/serving_cpu.py on loads apart from the compared ones.
 
-Where every rank thread has a core of its own (P + D <= cores), the serving work is not spread
-evenly: the kernel puts a woken thread where a core is idle, so it lands on each core in
-proportion to the time that core's rank thread leaves it idle (`core_shares`), and a bursty
-rank (prefill at low load) shares its core with most of it.
+Where every rank thread has a core of its own (P + D <= cores), two things the even sharing
+misses (`rank_shares`): the serving work is not spread evenly (the kernel puts a woken thread
+where a core is idle, so it lands on each core in proportion to the time that core's rank
+thread leaves it idle, and a bursty prefill rank shares its core with most of it), and a rank
+computes slower while the other pool's rank computes beside it (shared cache and bandwidth: the
+probe's measured corun factors, bench/corun.py, weighed by the other pool's busy fraction).
 """
 
 import statistics
@@ -84,14 +86,17 @@ def predict_local(
     should see: medians and p90s pooled over `replicas` seeded runs, throughput and goodput, the
     mean steps, and the busy fractions and threads of the last round."""
     p, d = cluster.prefill_ranks, cluster.decode_ranks
-    cores = probe()["cores"]
+    m = probe()
     u_p = u_d = 1.0  # start from everything busy: the fixed point is approached from above
     c_p = c_d = 1.0  # the share of a step a rank's thread computes (not waiting in an exchange)
     steps = 1.0 / cluster.costs(model, p + d).decode_cost(d, 1, work.prompt_mean).time_s
     for _ in range(rounds):
         other = cluster.other_busy(work.rate, d * steps)
         busy_p, busy_d = p + d * u_d * c_d + other, d + p * u_p * c_p + other
-        share_p, share_d = core_shares(cores, p, d, u_p * c_p, u_d * c_d, other)
+        # the per-request part runs around the request's own prefill (parsing and the
+        # reservation before it, the first token and the decode call after), not beside it
+        streaming = cluster.other_busy(0.0, d * steps)
+        share_p, share_d = rank_shares(m, p, d, u_p * c_p, u_d * c_d, streaming)
         costs_p, costs_d = (
             cluster.costs(model, busy_p, share_p),
             cluster.costs(model, busy_d, share_d),
@@ -135,6 +140,21 @@ def predict_local(
         "prefill_busy_threads": busy_p, "decode_busy_threads": busy_d,
         "prefill_core_share": share_p, "decode_core_share": share_d, "other_busy": other,
     }  # fmt: skip
+
+
+def rank_shares(
+    measured: dict[str, float], p: int, d: int, b_p: float, b_d: float, streaming: float
+) -> tuple[float, float]:
+    """A prefill and a decode rank thread's effective share of a core (`measured`: the probe's
+    cache): where each has a core of its own, the serving work's placement (`core_shares`) and
+    the slowdown beside the other pool's computing rank, weighed by its busy fraction."""
+    cores = measured["cores"]
+    share_p, share_d = core_shares(cores, p, d, b_p, b_d, streaming)
+    if p + d > cores:
+        return share_p, share_d
+    beside_p = 1 + (measured.get("corun_prefill", 1.0) - 1) * min(1.0, d * b_d)
+    beside_d = 1 + (measured.get("corun_decode", 1.0) - 1) * min(1.0, p * b_p)
+    return share_p / beside_p, share_d / beside_d
 
 
 def core_shares(

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench.serving_cpu import fit
-from cluster.plan.local import LocalCluster, core_shares
+from cluster.plan.local import LocalCluster, core_shares, rank_shares
 from cluster.plan.probe import cpu_hardware
 from tests.cluster.plan.test_probe import MEASURED
 
@@ -66,3 +66,18 @@ def test_fit_recovers_the_constants_of_exact_points():
         pytest.approx(truth)
     )
     assert got["max_residual_cores"] < 1e-9
+
+
+def test_a_rank_computes_slower_beside_the_other_pools_busy_rank():
+    """1 + 1 on 2 cores, corun factors 1.2 (prefill) and 1.1 (decode), busy 0.2 / 0.8, no
+    serving work: prefill's share 1 / (1 + 0.2 x 0.8), decode's 1 / (1 + 0.1 x 0.2)."""
+    measured = {"cores": 2, "corun_prefill": 1.2, "corun_decode": 1.1}
+    p, d = rank_shares(measured, 1, 1, 0.2, 0.8, 0.0)
+    assert (p, d) == pytest.approx((1 / 1.16, 1 / 1.02))
+    # with the serving work too: the placement's share over the slowdown
+    p, d = rank_shares(measured, 1, 1, 0.2, 0.8, 0.3)
+    assert (p, d) == pytest.approx((0.76 / 1.16, 0.94 / 1.02))
+    # without a core of its own (2 + 2 on 2 cores) neither: the busy-thread sharing alone
+    assert rank_shares(measured, 2, 2, 0.2, 0.8, 0.3) == (1.0, 1.0)
+    # a probe without the factors: no slowdown
+    assert rank_shares({"cores": 2}, 1, 1, 0.2, 0.8, 0.0) == (1.0, 1.0)
