@@ -85,6 +85,16 @@ def prefill_seconds(engine: LLMEngine, prompts: int) -> float:
     return sum(times[1:]) / prompts
 
 
+def _decoding(engine: LLMEngine, i: int) -> None:
+    """A neighbour's work (bench/corun.py): decode steps of a batch, without pause."""
+    decode_seconds(engine, NEIGHBOUR_BATCH, 20, 10_000 + 100 * i)
+
+
+def _prefilling(engine: LLMEngine, i: int) -> None:
+    """A neighbour's work: 128-token prefills, without pause."""
+    prefill_seconds(engine, 1)
+
+
 def _ep_rank(rank: int, port: int, model: str, batches: tuple[int, ...], steps: int, out) -> None:
     import torch.distributed as dist
 
@@ -162,10 +172,11 @@ def main() -> None:
     print("prefill", prefill)
     # Step 4: the same steps beside a neighbour computing on the other core, side by side
     alone = prefill_seconds(engine, args.prompts)
-    with_decode = beside(args.model, "decode", partial(prefill_seconds, engine, args.prompts))
+    make = partial(LLMEngine, _config(args.model, NEIGHBOUR_BATCH))
+    with_decode = beside(make, _decoding, partial(prefill_seconds, engine, args.prompts))
     decode_alone = decode_seconds(engine, NEIGHBOUR_BATCH, args.steps, 5000)
     timed = partial(decode_seconds, engine, NEIGHBOUR_BATCH, args.steps, 6000)
-    with_prefill = beside(args.model, "prefill", timed)
+    with_prefill = beside(make, _prefilling, timed)
     corun = {"prefill_alone_ms": alone * 1e3, "prefill_beside_decode_ms": with_decode * 1e3,
              "decode_alone_ms": decode_alone * 1e3,
              "decode_beside_prefill_ms": with_prefill * 1e3,
