@@ -15,11 +15,11 @@ measured, for the plan's CPU entry (cluster/plan/probe.py).
    roofline on two busy threads' share, the probe's exchange latency per round trip, the lone
    engine's overheads) is what an EP rank adds: a line through the two batches gives
    ep_step_overhead_s + ep_sequence_overhead_s x batch.
-4. The engine of 1 and 2 prefills again, alone and beside a neighbour engine decoding without
-   pause on the other core, and decodes a batch of 3, alone and beside a neighbour prefilling
-   without pause (bench/corun.py): how much slower a step computes when another rank computes
-   beside it (corun_prefill, corun_decode; the local plan weighs them by the other pool's busy
-   fraction where every rank has a core of its own).
+4. The engine of 1 and 2 prefills again, prompts PREFILL_GAP_S apart, alone and beside a
+   neighbour engine decoding without pause on the other core, and decodes a batch of 3, alone
+   and beside a neighbour prefilling without pause (bench/corun.py): how much slower a step
+   computes when another rank computes beside it (corun_prefill, corun_decode; the local plan
+   weighs them by the other pool's busy fraction where every rank has a core of its own).
 
 Each is written into the probe's cache beside the bandwidth and peak (and recorded in
 bench/results/cpu_overheads_<model>.json). Nothing here comes from a cluster or a goodput run.
@@ -43,6 +43,7 @@ from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 
 PROMPT = 128
+PREFILL_GAP_S = 0.5  # between prompts in step 4 (1-3.5 req/s at a local prefill rank)
 
 
 def _config(model: str, batch: int) -> EngineConfig:
@@ -70,13 +71,14 @@ def decode_seconds(engine: LLMEngine, batch: int, steps: int, first_id: int = 0)
     return seconds
 
 
-def prefill_seconds(engine: LLMEngine, prompts: int) -> float:
+def prefill_seconds(engine: LLMEngine, prompts: int, gap_s: float = 0.0) -> float:
     """Mean seconds of a step prefilling one PROMPT-token prompt (max_tokens 1: the prefill is
-    the request), after a warm-up one."""
+    the request), after a warm-up one; `gap_s` idle before each (prompts arriving apart)."""
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     times = []
     for i, (prompt, _) in enumerate(workload(prompts + 1, (PROMPT, PROMPT), (1, 1), vocab, 7)):
+        time.sleep(gap_s)
         engine.add_request(f"p{i}", prompt, params)
         start = time.perf_counter()
         engine.step()
@@ -171,9 +173,13 @@ def main() -> None:
                "token_overhead_us": per_token * 1e6}  # fmt: skip
     print("prefill", prefill)
     # Step 4: the same steps beside a neighbour computing on the other core, side by side
-    alone = prefill_seconds(engine, args.prompts)
+    # prompts PREFILL_GAP_S apart, as they arrive at a prefill rank: a neighbour that computes
+    # meanwhile evicts what the last prefill left in the caches
+    alone = prefill_seconds(engine, args.prompts, PREFILL_GAP_S)
     make = partial(LLMEngine, _config(args.model, NEIGHBOUR_BATCH))
-    with_decode = beside(make, _decoding, partial(prefill_seconds, engine, args.prompts))
+    with_decode = beside(
+        make, _decoding, partial(prefill_seconds, engine, args.prompts, PREFILL_GAP_S)
+    )
     decode_alone = decode_seconds(engine, NEIGHBOUR_BATCH, args.steps, 5000)
     timed = partial(decode_seconds, engine, NEIGHBOUR_BATCH, args.steps, 6000)
     with_prefill = beside(make, _prefilling, timed)
