@@ -10,13 +10,14 @@ that met both SLOs) and the cores the router, the ranks, Ray and the load genera
 DELIVERED rate (cluster/plan/local.py); `--capacity-fractions` picks the loads as shares of the
 plan's predicted capacity; `--replan RESULT` recomputes that column of a recorded measurement.
 
-The calibration of issue 27 (docs/planning.md; 2 prefill + 2 decode ranks of `small`, then 1 + 1):
+The calibration of issue 27 (docs/planning.md has the whole sequence; 2 + 2 ranks of `small`):
+    .venv/bin/python -m bench.cpu_overheads --steps 100   # the probe and the overheads, first
+    .venv/bin/python -m bench.serving_cpu ...   # the serving work, on a 1 + 1 cluster
     .venv/bin/epcluster serve --model small --prefill-ranks 2 --decode-ranks 2 --http-port 8130 &
-    .venv/bin/python -m bench.cpu_overheads   # the probe and the engine's overheads, first
     .venv/bin/python -m bench.goodput --target http://127.0.0.1:8130 --model small \
-        --prompt-tokens 128 --output-tokens 128 --prefix-tokens 32 --requests 30 --duration 60 \
-        --slo-ttft 2 --slo-tpot 0.2 --capacity-fractions 0.3,0.6,0.9 --background-busy 0.17 \
-        --cpu-per-token 5e-5 --plan 2,2 --server-pid $SERVE_PID --name goodput_small_2p2d --plot
+        --prompt-tokens 128 --output-tokens 128 --prefix-tokens 32 --requests 30 --duration 45 \
+        --slo-ttft 2 --slo-tpot 0.2 --loads 1.28,2.56,3.84 --plot --plan 2,2 \
+        --serving-cpu bench/results/serving_cpu_small.json --server-pid $! --name goodput_small_2p2d
 No hub is reached: the tokenizer is the checkpoint's own (HF_HUB_OFFLINE=1).
 """
 
