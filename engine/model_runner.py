@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu_decode import CpuDecode
+from engine.greedy_head import GreedyHead, greedy_head
 from engine.messages import TokenLogprobs
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
@@ -85,10 +86,15 @@ class ModelRunner:
             for _ in range(num_layers)
         ]  # L x [NB, BS, C]
         self.drafter: MtpDrafter | None = None
+        self.greedy_head: GreedyHead | None = None
         if config.speculative is not None:
             self.drafter = MtpDrafter(
                 model, self.kv_caches, config.block_size, config.speculative.draft_head
             )
+        shared = None  # the drafts' int8 head, which the screen reuses when it is lm_head's
+        if self.drafter is not None and self.drafter.head_int8 is not None:
+            shared = (self.drafter.head_weight, self.drafter.head_int8)
+        self.greedy_head = greedy_head(model.lm_head.weight, config.greedy_head, shared)
 
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Run decode steps through DecodeGraphs (engine/decode_graphs.py): one more cache
@@ -280,14 +286,13 @@ class ModelRunner:
         in `failed`; the others sample as they would have alone)."""
         if not chosen:
             return []
-        rows = [r for g in groups for r in g]
-        logits = self.model.compute_logits(hidden[rows])  # [n, V]
+        x = hidden[[r for g in groups for r in g]]  # [n, D]
         params = [req.params for req, g in zip(chosen, groups) for _ in g]
         seeds = [req.seed for req, g in zip(chosen, groups) for _ in g]
         positions = [req.num_tokens + j for req, g in zip(chosen, groups) for j in range(len(g))]
         bounds = torch.tensor([0] + [len(g) for g in groups]).cumsum(0).tolist()
         try:
-            sampled = self.sample(logits, params, seeds, positions)
+            sampled = self._sample_rows(x, params, seeds, positions)
             ids = sampled.token_ids.tolist()
             return [(ids[lo:hi], sampled.logprobs[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
         except Exception:  # find the requests that fail alone
@@ -295,13 +300,47 @@ class ModelRunner:
         result: list[tuple[list[int], list[TokenLogprobs | None]] | None] = []
         for req, lo, hi in zip(chosen, bounds, bounds[1:]):
             try:
-                one = self.sample(logits[lo:hi], params[lo:hi], seeds[lo:hi], positions[lo:hi])
+                one = self._sample_rows(x[lo:hi], params[lo:hi], seeds[lo:hi], positions[lo:hi])
             except Exception as e:
                 failed[req.request_id] = ("sampling", e)
                 result.append(None)
                 continue
             result.append((one.token_ids.tolist(), one.logprobs))
         return result
+
+    def _sample_rows(
+        self,
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        seeds: list[int],
+        positions: list[int],
+    ) -> SampleOutput:
+        """The head and the sampler over x [n, D] (normed hidden rows). A greedy row that needs
+        nothing else of its logits (no logprobs: the sampler reads greedy rows' logits for
+        argmax and logprobs only) takes the screen's argmax where it serves; the others the
+        full head's logits and `sample` (rows are independent: the same tokens either way)."""
+        n = x.shape[0]
+        picked: list[int | None] = [None] * n
+        eligible = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
+        if self.greedy_head is not None and eligible:
+            for i, t in zip(eligible, self.greedy_head.argmax(x[eligible]), strict=True):
+                picked[i] = t
+        rest = [i for i in range(n) if picked[i] is None]
+        if len(rest) == n:
+            return self.sample(self.model.compute_logits(x), params, seeds, positions)
+        token_ids = torch.tensor([0 if t is None else t for t in picked], dtype=torch.long)
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        if rest:
+            sub = self.sample(
+                self.model.compute_logits(x[rest]),
+                [params[i] for i in rest],
+                [seeds[i] for i in rest],
+                [positions[i] for i in rest],
+            )
+            token_ids[rest] = sub.token_ids.to(token_ids.device)
+            for i, lp in zip(rest, sub.logprobs, strict=True):
+                logprobs[i] = lp
+        return SampleOutput(token_ids, logprobs)
 
     def sample(
         self,
