@@ -94,38 +94,51 @@ class GreedyHead:
         if x.shape[0] == 0 or not self.serves(x):
             return [None] * x.shape[0]
         x = x.contiguous()
+        n = x.shape[0]
         kernels = cpu_kernels()
         # Step 1: the int8 logits, and each row's L1 norm (float64: an upper bound to 2**-50)
-        z = kernels.linear_int8(x, self.head.q, self.head.scale).double()  # [R, V]
+        z = kernels.linear_int8(x, self.head.q, self.head.scale)  # [R, V] fp32
         l1 = x.double().abs().sum(dim=1) * (1 + SLACK_REL)  # [R]
-        ok = torch.isfinite(l1) & (l1 < self.max_l1) & torch.isfinite(z).all(dim=1)  # [R]
-        # Step 2: the bound, per row and token
-        # NOTE: the slack covers the roundings of z - err and z + err below (2**-53 of |z| +
-        # err at most), whichever token's bound is small
-        zmax = z.abs().amax(dim=1, keepdim=True)  # [R, 1]
-        slack = (zmax + l1[:, None] * self.max_factor) * SLACK_REL + SLACK_ABS  # [R, 1]
-        err = l1[:, None] * self.factors[None, :] + slack  # [R, V]
-        # Step 3: the candidates
-        lower = (z - err).amax(dim=1, keepdim=True)  # [R, 1]
-        mask = (z + err >= lower) & ok[:, None]  # [R, V]
-        counts = mask.sum(dim=1)  # [R]
+        # NOTE: x finite with ||x||_1 under max_l1: no logit or partial sum overflows
+        ok = torch.isfinite(l1) & (l1 < self.max_l1)  # [R]
+        zmin, zmax = z.aminmax(dim=1)  # [R] fp32
+        # the slack covers the float64 roundings below (2**-53 of |z| + err at most)
+        zabs = torch.maximum(zmax.abs(), zmin.abs()).double()
+        slack = (zabs + l1 * self.max_factor) * SLACK_REL + SLACK_ABS  # [R]
+        emax = l1 * self.max_factor + slack  # [R] >= every token's bound
+        # Step 2: an fp32 prefilter, one pass: lower >= zmax - emax (z's own argmax), so a
+        # candidate has z >= zmax - 2 emax; that threshold lowered past its rounding to fp32
+        thr = zmax.double() - 2 * emax
+        thr = (thr - thr.abs() * SLACK_REL - SLACK_ABS).float()
+        thr = torch.where(ok, thr, float("nan"))  # a row that cannot be bounded: no pairs
+        rows, cols = (z >= thr[:, None]).nonzero(as_tuple=True)  # [P] each
+        # Step 3: the bound and the candidates, in float64 over those pairs only
+        zz = z[rows, cols].double()  # [P]
+        err = l1[rows] * self.factors[cols] + slack[rows]  # [P]
+        lower = torch.full((n,), float("-inf"), dtype=torch.float64)
+        lower.scatter_reduce_(0, rows, zz - err, "amax")  # [R]
+        cand = zz + err >= lower[rows]  # [P]
+        rows, cols = rows[cand], cols[cand]
+        counts = torch.bincount(rows, minlength=n)  # [R]
         ok &= (counts > 0) & (counts <= self.max_candidates)
-        mask &= ok[:, None]
-        rows = ok.nonzero().flatten().tolist()
-        self.num_rows += x.shape[0]
-        self.num_candidates += int(counts[ok].sum())
-        self.num_fallbacks += x.shape[0] - len(rows)
-        out: list[int | None] = [None] * x.shape[0]
-        if not rows:
+        keep = ok[rows]
+        rows, cols = rows[keep], cols[keep]
+        screened = ok.nonzero().flatten()  # [r]
+        self.num_rows += n
+        self.num_candidates += int(counts[screened].sum())
+        self.num_fallbacks += n - screened.numel()
+        out: list[int | None] = [None] * n
+        if screened.numel() == 0:
             return out
         # Step 4: exact logits of the candidates of all screened rows (sorted: vocabulary order)
-        cols = mask.any(dim=0).nonzero().flatten()  # [C]
-        packed = kernels.pack_panels(self.weight.index_select(0, cols))  # panels of [C, D]
-        idx = torch.tensor(rows)
-        exact = kernels.linear_panels(x[idx], packed, cols.numel())  # [r, C], bitwise the head's
-        exact = exact.masked_fill(~mask[idx][:, cols], float("-inf"))
-        picked = cols[argmax(exact)].tolist()  # lowest index on ties, as the full argmax
-        for r, t in zip(rows, picked, strict=True):
+        union, at = torch.unique(cols, sorted=True, return_inverse=True)  # [C], [P]
+        packed = kernels.pack_panels(self.weight.index_select(0, union))  # panels of [C, D]
+        exact = kernels.linear_panels(x[screened], packed, union.numel())  # [r, C]: the head's
+        mask = torch.zeros(n, union.numel(), dtype=torch.bool)
+        mask[rows, at] = True
+        exact = exact.masked_fill(~mask[screened], float("-inf"))
+        picked = union[argmax(exact)].tolist()  # lowest index on ties, as the full argmax
+        for r, t in zip(screened.tolist(), picked, strict=True):
             out[r] = t
         return out
 
