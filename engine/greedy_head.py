@@ -49,11 +49,12 @@ def gamma(n: int) -> float:
     return n * U / (1 - n * U)
 
 
-def bound_factors(head: Int8Weight) -> torch.Tensor:
-    """-> e [V] float64 with |z[n] - y[n]| <= e[n] * ||x||_1 for any finite x (no overflow).
+def bound_factors(head: Int8Weight, amax: torch.Tensor) -> torch.Tensor:
+    """head: the int8 copy of w [V, D], amax [V] = max_k |w[n, k]| -> e [V] float64 with
+    |z[n] - y[n]| <= e[n] * ||x||_1 for any finite x (no overflow).
 
-    With K = in_features, s = scale[n], A = max_k |w[n, k]| (<= 127 s / (1 - u), s being
-    max|w| / 127 rounded), exact real sums written S():
+    With K = in_features, s = scale[n], A = amax[n] (<= 127 s / (1 - u), s being A / 127
+    rounded), exact real sums written S():
     - quantization: |s q[k] - w[k]| <= s (1/2 + 127.01 u) (q = round(fl(w / s)), the division
       rounded once; the clamp to 127 never bites below 127.5), so
       |s S(q x) - S(w x)| <= s (1/2 + 2**-12) ||x||_1;
@@ -61,10 +62,14 @@ def bound_factors(head: Int8Weight) -> torch.Tensor:
       s: at most K + 6 roundings a term, |z - s S(q x)| <= gamma(K + 6) s S(|q x|) <=
       gamma(K + 6) 127 s ||x||_1;
     - the exact head: one FMA chain of K roundings, |y - S(w x)| <= gamma(K) A ||x||_1.
+    NOTE: a row whose A / 127 is near or below fp32's normal range (s rounded with fewer bits,
+    or to 0) takes the plain |z| + |y| <= (127 s + A) (1 + gamma(K + 6)) ||x||_1 instead.
     """
     k = head.in_features
     per_scale = 0.5 + 2.0**-12 + QMAX * gamma(k + 6) + QMAX * gamma(k) / (1 - U)
-    return head.scale.double() * per_scale * (1 + SLACK_REL)
+    s, a = head.scale.double(), amax.double()
+    tiny = (QMAX * s + a) * (1 + gamma(k + 6)) * (1 + 2.0**-10)
+    return torch.where(a < 2.0**-100, tiny, s * per_scale) * (1 + SLACK_REL)
 
 
 class GreedyHead:
@@ -75,8 +80,9 @@ class GreedyHead:
     def __init__(self, weight: torch.Tensor, head: Int8Weight, max_candidates: int = 1024) -> None:
         assert weight.dim() == 2 and weight.dtype == torch.float32, (weight.shape, weight.dtype)
         assert head.q.shape[0] == weight.shape[0] and head.in_features == weight.shape[1]
-        self.weight, self.head, self.max_candidates = weight, head, max_candidates
-        self.factors = bound_factors(head)  # [V] float64
+        self.weight = weight.detach()  # the same storage (lm_head's, never a copy)
+        self.head, self.max_candidates = head, max_candidates
+        self.factors = bound_factors(head, self.weight.abs().amax(dim=1))  # [V] float64
         self.max_factor = float(self.factors.max()) if self.factors.numel() else 0.0
         # every |logit| and partial sum is at most max|w| ||x||_1 (1 + gamma): finite below this
         self.max_l1 = FP32_SAFE / (float(head.scale.max()) * QMAX * 2 + 1e-30)

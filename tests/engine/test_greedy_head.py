@@ -35,9 +35,12 @@ def full_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def random_head(gen: torch.Generator, v: int, d: int) -> torch.Tensor:
-    """[v, d]: row scales over 4 decades, a zero row, an outlier column and outlier elements."""
+    """[v, d]: row scales over 4 decades, a zero row, rows of subnormals (or a subnormal scale),
+    an outlier column and outlier elements."""
     w = torch.randn(v, d, generator=gen) * 10 ** (torch.rand(v, 1, generator=gen) * 4 - 2)
     w[3] = 0.0
+    w[4] *= 1e-39  # subnormal
+    w[6] *= 1e-34  # normal, its scale subnormal
     w[:, 5] *= 30
     w[torch.rand(v, d, generator=gen) < 0.002] *= 50
     return w.contiguous()
@@ -61,8 +64,10 @@ def test_the_bound_holds_on_every_element(d: int) -> None:
         head = quantize_rows(w)
         z = cpu_kernels().linear_int8(x, head.q, head.scale).double()  # [9, 300]
         y = full_logits(x, w).double()
-        bound = x.double().abs().sum(dim=1, keepdim=True) * bound_factors(head)[None, :]
+        factors = bound_factors(head, w.abs().amax(dim=1))
+        bound = x.double().abs().sum(dim=1, keepdim=True) * factors[None, :]
         assert torch.all((z - y).abs() <= bound), seed
+        assert z[:, 4].abs().max() < 1e-30 and y[:, 4].abs().max() < 1e-30  # what subnormals give
         worst = max(worst, float(((z - y).abs() / bound.clamp(min=1e-300)).max()))
     assert 0.01 < worst < 1  # the bound is not vacuous: the errors reach a fair share of it
 
