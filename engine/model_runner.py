@@ -291,8 +291,44 @@ class ModelRunner:
         seeds = [req.seed for req, g in zip(chosen, groups) for _ in g]
         positions = [req.num_tokens + j for req, g in zip(chosen, groups) for j in range(len(g))]
         bounds = torch.tensor([0] + [len(g) for g in groups]).cumsum(0).tolist()
+        # A greedy row that needs nothing else of its logits (no logprobs: the sampler reads a
+        # greedy row's logits for its argmax and logprobs only) takes the screen's argmax where
+        # it serves (engine/greedy_head.py: the full head's token, bit for bit); the other
+        # rows, `rest`, the full head's logits, computed once for the batch.
+        picked: list[int | None] = [None] * len(params)
+        eligible = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
+        if self.greedy_head is not None and eligible:
+            for i, t in zip(eligible, self.greedy_head.argmax(x[eligible]), strict=True):
+                picked[i] = t
+        rest = [i for i, t in enumerate(picked) if t is None]
+        logits = None  # [len(rest), V]
+        if rest:
+            logits = self.model.compute_logits(x[rest] if len(rest) < len(params) else x)
+
+        def sample_rows(lo: int, hi: int) -> SampleOutput:
+            """Rows lo .. hi - 1: the screen's tokens, the sampler's over the others."""
+            sub = [j for j, i in enumerate(rest) if lo <= i < hi]  # rows of logits
+            rows = [rest[j] for j in sub]
+            out = None
+            if logits is not None and rows:
+                out = self.sample(
+                    logits if len(sub) == logits.shape[0] else logits[sub],
+                    [params[i] for i in rows],
+                    [seeds[i] for i in rows],
+                    [positions[i] for i in rows],
+                )
+                if len(rows) == hi - lo:  # nothing screened (every row off the CPU kernels)
+                    return out
+            token_ids = torch.tensor([t or 0 for t in picked[lo:hi]], dtype=torch.long)
+            logprobs: list[TokenLogprobs | None] = [None] * (hi - lo)
+            if out is not None:
+                token_ids[[i - lo for i in rows]] = out.token_ids.cpu()
+                for i, lp in zip(rows, out.logprobs, strict=True):
+                    logprobs[i - lo] = lp
+            return SampleOutput(token_ids, logprobs)
+
         try:
-            sampled = self._sample_rows(x, params, seeds, positions)
+            sampled = sample_rows(0, len(params))
             ids = sampled.token_ids.tolist()
             return [(ids[lo:hi], sampled.logprobs[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
         except Exception:  # find the requests that fail alone
@@ -300,47 +336,13 @@ class ModelRunner:
         result: list[tuple[list[int], list[TokenLogprobs | None]] | None] = []
         for req, lo, hi in zip(chosen, bounds, bounds[1:]):
             try:
-                one = self._sample_rows(x[lo:hi], params[lo:hi], seeds[lo:hi], positions[lo:hi])
+                one = sample_rows(lo, hi)
             except Exception as e:
                 failed[req.request_id] = ("sampling", e)
                 result.append(None)
                 continue
             result.append((one.token_ids.tolist(), one.logprobs))
         return result
-
-    def _sample_rows(
-        self,
-        x: torch.Tensor,
-        params: list[SamplingParams],
-        seeds: list[int],
-        positions: list[int],
-    ) -> SampleOutput:
-        """The head and the sampler over x [n, D] (normed hidden rows). A greedy row that needs
-        nothing else of its logits (no logprobs: the sampler reads greedy rows' logits for
-        argmax and logprobs only) takes the screen's argmax where it serves; the others the
-        full head's logits and `sample` (rows are independent: the same tokens either way)."""
-        n = x.shape[0]
-        picked: list[int | None] = [None] * n
-        eligible = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
-        if self.greedy_head is not None and eligible:
-            for i, t in zip(eligible, self.greedy_head.argmax(x[eligible]), strict=True):
-                picked[i] = t
-        rest = [i for i in range(n) if picked[i] is None]
-        if len(rest) == n:
-            return self.sample(self.model.compute_logits(x), params, seeds, positions)
-        token_ids = torch.tensor([0 if t is None else t for t in picked], dtype=torch.long)
-        logprobs: list[TokenLogprobs | None] = [None] * n
-        if rest:
-            sub = self.sample(
-                self.model.compute_logits(x[rest]),
-                [params[i] for i in rest],
-                [seeds[i] for i in rest],
-                [positions[i] for i in rest],
-            )
-            token_ids[rest] = sub.token_ids.to(token_ids.device)
-            for i, lp in zip(rest, sub.logprobs, strict=True):
-                logprobs[i] = lp
-        return SampleOutput(token_ids, logprobs)
 
     def sample(
         self,
