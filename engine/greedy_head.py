@@ -20,7 +20,7 @@ Per row x (the normed hidden state the head multiplies):
    the argmax over the candidates in vocabulary order, lowest index on ties, is
    `engine.sampler.argmax` of the full logits.
 A row falls back to the full head (None) where a bound could fail (a non-finite x, logits that
-could overflow) or its candidates are too many to pay.
+could overflow) or its candidates are too many to pay; a call of more than MAX_ROWS rows does.
 """
 
 import logging
@@ -41,6 +41,11 @@ U = 2.0**-24  # fp32's unit roundoff
 # subnormal range errs by up to 2**-150 absolutely; a row takes under 2**20 of them)
 SLACK_REL = 2.0**-20
 SLACK_ABS = 2.0**-100
+# NOTE: past this many rows a step's head is compute-bound, and the weight-only int8 kernel
+# (which widens every weight to fp32) is slower than the full head's panels (bench.linear
+# --int8-head, small's head: 8 rows 0.93 ms against 2.17, 32 rows 3.95 against 3.37): the
+# full head serves such steps.
+MAX_ROWS = 16
 FP32_SAFE = 1.0e38  # below float32's max (3.4e38) with room: no logit or partial sum overflows
 
 
@@ -77,11 +82,17 @@ class GreedyHead:
     the full head reads), its int8 copy, and counters the bench reads (num_rows rows screened,
     num_candidates their candidates summed, num_fallbacks rows sent back to the full head)."""
 
-    def __init__(self, weight: torch.Tensor, head: Int8Weight, max_candidates: int = 1024) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        head: Int8Weight,
+        max_candidates: int = 1024,
+        max_rows: int = MAX_ROWS,
+    ) -> None:
         assert weight.dim() == 2 and weight.dtype == torch.float32, (weight.shape, weight.dtype)
         assert head.q.shape[0] == weight.shape[0] and head.in_features == weight.shape[1]
         self.weight = weight.detach()  # the same storage (lm_head's, never a copy)
-        self.head, self.max_candidates = head, max_candidates
+        self.head, self.max_candidates, self.max_rows = head, max_candidates, max_rows
         self.factors = bound_factors(head, self.weight.abs().amax(dim=1))  # [V] float64
         self.max_factor = float(self.factors.max()) if self.factors.numel() else 0.0
         # every |logit| and partial sum is at most max|w| ||x||_1 (1 + gamma): finite below this
@@ -97,7 +108,7 @@ class GreedyHead:
         """x [R, D] fp32 -> per row the exact head's argmax (lowest index on ties), or None where
         the row must take the full head (see the module docstring)."""
         assert x.dim() == 2 and x.shape[1] == self.weight.shape[1], x.shape
-        if x.shape[0] == 0 or not self.serves(x):
+        if not 0 < x.shape[0] <= self.max_rows or not self.serves(x):
             return [None] * x.shape[0]
         x = x.contiguous()
         n = x.shape[0]

@@ -154,6 +154,10 @@ def test_rows_it_cannot_bound_fall_back() -> None:
     assert (g.num_rows, g.num_fallbacks) == (4, 3)
     g.max_candidates = 0  # too many candidates: the full head pays more
     assert g.argmax(x[:1]) == [None] and g.num_fallbacks == 4
+    g.max_candidates = 1024
+    many = x[:1].expand(g.max_rows + 1, -1)  # the int8 kernel is slower than the full head
+    assert g.argmax(many) == [None] * (g.max_rows + 1) and g.num_rows == 5
+    assert g.argmax(many[: g.max_rows]) == got[:1] * g.max_rows
 
 
 def test_off_the_kernels_nothing_is_screened(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,6 +213,7 @@ def test_greedy_tokens_equal_the_exact_heads(ckpt: Path, model: str, k: int) -> 
     llm = LLM(name, **options)
     g = llm.engine.runner.greedy_head
     assert g is not None  # auto: the CPU kernels serve
+    g.max_rows = 64  # every step screened here (12 requests' verifies exceed the default)
     assert outputs(llm, batch, params) == want
     produced = sum(len(tokens) for tokens, _, _ in want)  # each from one screened row
     assert (g.num_rows == produced) if not k else (g.num_rows > produced)
