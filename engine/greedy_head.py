@@ -24,10 +24,10 @@ could overflow) or its candidates are too many to pay; a call of more than MAX_R
 """
 
 import logging
+import math
 
 import torch
 
-from engine.sampler import argmax
 from kernels import hugepages
 from kernels.backend import use_cpu_kernel
 from kernels.cpu.build import cpu_kernels
@@ -95,6 +95,9 @@ class GreedyHead:
         self.head, self.max_candidates, self.max_rows = head, max_candidates, max_rows
         self.factors = bound_factors(head, self.weight.abs().amax(dim=1))  # [V] float64
         self.max_factor = float(self.factors.max()) if self.factors.numel() else 0.0
+        self.factors = self.factors.tolist()  # read per candidate pair, as Python floats
+        # |z| and |y| <= 127 max(s) ||x||_1 (1 + gamma(K + 6)) (1 + u): this per unit of ||x||_1
+        self.max_abs = float(head.scale.max()) * QMAX * (1 + 2.0**-10) if self.factors else 0.0
         # every |logit| and partial sum is at most max|w| ||x||_1 (1 + gamma): finite below this
         self.max_l1 = FP32_SAFE / (float(head.scale.max()) * QMAX * 2 + 1e-30)
         self.num_rows = self.num_candidates = self.num_fallbacks = 0
@@ -113,50 +116,55 @@ class GreedyHead:
         x = x.contiguous()
         n = x.shape[0]
         kernels = cpu_kernels()
-        # Step 1: the int8 logits, and each row's L1 norm (float64: an upper bound to 2**-50)
+        # NOTE: the per-row and per-pair arithmetic runs on Python floats (IEEE float64, as
+        # torch's): a row has a few dozen pairs, and a torch op costs a few us each.
+        # Step 1: the int8 logits, z's maximum, each row's L1 norm (an upper bound to 2**-50)
         z = kernels.linear_int8(x, self.head.q, self.head.scale)  # [R, V] fp32
-        l1 = x.double().abs().sum(dim=1) * (1 + SLACK_REL)  # [R]
-        # NOTE: x finite with ||x||_1 under max_l1: no logit or partial sum overflows
-        ok = torch.isfinite(l1) & (l1 < self.max_l1)  # [R]
-        zmin, zmax = z.aminmax(dim=1)  # [R] fp32
-        # the slack covers the float64 roundings below (2**-53 of |z| + err at most)
-        zabs = torch.maximum(zmax.abs(), zmin.abs()).double()
-        slack = (zabs + l1 * self.max_factor) * SLACK_REL + SLACK_ABS  # [R]
-        emax = l1 * self.max_factor + slack  # [R] >= every token's bound
-        # Step 2: an fp32 prefilter, one pass: lower >= zmax - emax (z's own argmax), so a
-        # candidate has z >= zmax - 2 emax; that threshold lowered past its rounding to fp32
-        thr = zmax.double() - 2 * emax
-        thr = (thr - thr.abs() * SLACK_REL - SLACK_ABS).float()
-        thr = torch.where(ok, thr, float("nan"))  # a row that cannot be bounded: no pairs
-        rows, cols = (z >= thr[:, None]).nonzero(as_tuple=True)  # [P] each
-        # Step 3: the bound and the candidates, in float64 over those pairs only
-        zz = z[rows, cols].double()  # [P]
-        err = l1[rows] * self.factors[cols] + slack[rows]  # [P]
-        lower = torch.full((n,), float("-inf"), dtype=torch.float64)
-        lower.scatter_reduce_(0, rows, zz - err, "amax")  # [R]
-        cand = zz + err >= lower[rows]  # [P]
-        rows, cols = rows[cand], cols[cand]
-        counts = torch.bincount(rows, minlength=n)  # [R]
-        ok &= (counts > 0) & (counts <= self.max_candidates)
-        keep = ok[rows]
-        rows, cols = rows[keep], cols[keep]
-        screened = ok.nonzero().flatten()  # [r]
+        top = kernels.argmax_rows(z)  # [R]
+        zmax = z.gather(1, top[:, None]).flatten().tolist()  # [R]
+        l1 = (x.double().abs().sum(dim=1) * (1 + SLACK_REL)).tolist()  # [R]
+        slack, thr = [0.0] * n, [math.nan] * n  # a row that cannot be bounded: no pairs
+        for r in range(n):
+            # x finite with ||x||_1 under max_l1: no logit or partial sum overflows
+            if not (math.isfinite(l1[r]) and l1[r] < self.max_l1):
+                continue
+            # the slack covers the float64 roundings below: 2**-53 of |z| (<= 127 max(s)
+            # ||x||_1 (1 + gamma), the |z|_max bound) + err at most
+            slack[r] = l1[r] * (self.max_abs + self.max_factor) * SLACK_REL + SLACK_ABS
+            emax = l1[r] * self.max_factor + slack[r]  # >= every token's bound
+            # Step 2 (below): lower >= zmax - emax (z's own argmax), so a candidate has z >=
+            # zmax - 2 emax; that threshold lowered past its rounding to fp32
+            t = zmax[r] - 2 * emax
+            thr[r] = t - abs(t) * SLACK_REL - SLACK_ABS
+        # Step 2: an fp32 prefilter, one pass over z
+        rows, cols = (z >= torch.tensor(thr, dtype=torch.float32)[:, None]).nonzero(as_tuple=True)
+        pairs = list(zip(rows.tolist(), cols.tolist(), z[rows, cols].tolist(), strict=True))
+        # Step 3: the bound and the candidates, over those pairs only
+        lower = [-math.inf] * n
+        for r, c, v in pairs:
+            lower[r] = max(lower[r], v - (l1[r] * self.factors[c] + slack[r]))
+        cands: list[list[int]] = [[] for _ in range(n)]  # in vocabulary order (nonzero's)
+        for r, c, v in pairs:
+            if v + (l1[r] * self.factors[c] + slack[r]) >= lower[r]:
+                cands[r].append(c)
+        screened = [r for r in range(n) if 0 < len(cands[r]) <= self.max_candidates]
         self.num_rows += n
-        self.num_candidates += int(counts[screened].sum())
-        self.num_fallbacks += n - screened.numel()
+        self.num_candidates += sum(len(cands[r]) for r in screened)
+        self.num_fallbacks += n - len(screened)
         out: list[int | None] = [None] * n
-        if screened.numel() == 0:
+        if not screened:
             return out
-        # Step 4: exact logits of the candidates of all screened rows (sorted: vocabulary order)
-        union, at = torch.unique(cols, sorted=True, return_inverse=True)  # [C], [P]
-        packed = kernels.pack_panels(self.weight.index_select(0, union))  # panels of [C, D]
-        exact = kernels.linear_panels(x[screened], packed, union.numel())  # [r, C]: the head's
-        mask = torch.zeros(n, union.numel(), dtype=torch.bool)
-        mask[rows, at] = True
-        exact = exact.masked_fill(~mask[screened], float("-inf"))
-        picked = union[argmax(exact)].tolist()  # lowest index on ties, as the full argmax
-        for r, t in zip(screened.tolist(), picked, strict=True):
-            out[r] = t
+        # Step 4: exact logits of the candidates of all screened rows, bitwise the full head's
+        union = sorted({c for r in screened for c in cands[r]})  # [C]
+        at = {c: j for j, c in enumerate(union)}
+        packed = kernels.pack_panels(self.weight.index_select(0, torch.tensor(union)))
+        exact = kernels.linear_panels(x[screened], packed, len(union)).tolist()  # [r, C]
+        for row, r in zip(exact, screened, strict=True):
+            best = cands[r][0]
+            for c in cands[r][1:]:  # ascending: a tie keeps the lower index, as the full argmax
+                if row[at[c]] > row[at[best]]:
+                    best = c
+            out[r] = best
         return out
 
     @property
