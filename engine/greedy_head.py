@@ -11,16 +11,19 @@ Per row x (the normed hidden state the head multiplies):
    panel kernel of `kernels.linear.linear`, packed=True), `bound_factors` below.
 3. The true argmax t has y[t] >= y[m] >= z[m] - E[m] for every m, and z[t] >= y[t] - E[t], so
    z[t] + E[t] >= lower = max_m (z[m] - E[m]): the candidates are the n with z[n] + E[n] >=
-   lower. Every token tied at the exact maximum is one of them (the same argument).
+   lower. Every token tied at the exact maximum is one of them (the same argument). As
+   lower >= max z - max E, an fp32 pass z >= max z - 2 max E finds every candidate first, and
+   the bound's float64 arithmetic runs over those few tokens only.
 4. The exact logits of the candidates only: their fp32 rows gathered and laid out in panels, then
    the same compiled kernel (`linear_panels`). NOTE: that kernel computes each output as one chain
    of fused multiply-adds over k in order from zero, whatever the panel, its column or the
    number of rows (kernels/cpu/gemm.cpp panel_tile), so these logits are bitwise the full head's:
    no near-tie fallback is needed (tests/engine/test_greedy_head.py asserts the equality), and
    the argmax over the candidates in vocabulary order, lowest index on ties, is
-   `engine.sampler.argmax` of the full logits.
+   `engine.sampler.argmax` of the full logits (which is torch.argmax's, NaN apart: none here).
 A row falls back to the full head (None) where a bound could fail (a non-finite x, logits that
-could overflow) or its candidates are too many to pay; a call of more than MAX_ROWS rows does.
+could overflow) or its prefilter leaves too many tokens to pay (max_candidates); a call of more
+than MAX_ROWS rows does too.
 """
 
 import logging
@@ -86,7 +89,7 @@ class GreedyHead:
         self,
         weight: torch.Tensor,
         head: Int8Weight,
-        max_candidates: int = 1024,
+        max_candidates: int = 256,
         max_rows: int = MAX_ROWS,
     ) -> None:
         assert weight.dim() == 2 and weight.dtype == torch.float32, (weight.shape, weight.dtype)
@@ -138,6 +141,11 @@ class GreedyHead:
             thr[r] = t - abs(t) * SLACK_REL - SLACK_ABS
         # Step 2: an fp32 prefilter, one pass over z
         rows, cols = (z >= torch.tensor(thr, dtype=torch.float32)[:, None]).nonzero(as_tuple=True)
+        # a row past max_candidates pairs falls back now: the loops below cost ~1 us a pair
+        crowded = torch.bincount(rows, minlength=n) > self.max_candidates  # [R]
+        if bool(crowded.any()):
+            kept = ~crowded[rows]
+            rows, cols = rows[kept], cols[kept]
         pairs = list(zip(rows.tolist(), cols.tolist(), z[rows, cols].tolist(), strict=True))
         # Step 3: the bound and the candidates, over those pairs only
         lower = [-math.inf] * n
