@@ -101,8 +101,9 @@ class GreedyHead:
         self.factors = self.factors.tolist()  # read per candidate pair, as Python floats
         # |z| and |y| <= 127 max(s) ||x||_1 (1 + gamma(K + 6)) (1 + u): this per unit of ||x||_1
         self.max_abs = float(head.scale.max()) * QMAX * (1 + 2.0**-10) if self.factors else 0.0
-        # every |logit| and partial sum is at most max|w| ||x||_1 (1 + gamma): finite below this
-        self.max_l1 = FP32_SAFE / (float(head.scale.max()) * QMAX * 2 + 1e-30)
+        # every |logit| and partial sum is at most max|w| ||x||_1 (1 + gamma), the int8 kernel's
+        # unscaled sums 127 ||x||_1 (1 + gamma): all finite below this
+        self.max_l1 = FP32_SAFE / (QMAX * 2 * max(float(head.scale.max()), 1.0))
         self.num_rows = self.num_candidates = self.num_fallbacks = 0
 
     def serves(self, x: torch.Tensor) -> bool:
