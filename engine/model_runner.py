@@ -86,7 +86,6 @@ class ModelRunner:
             for _ in range(num_layers)
         ]  # L x [NB, BS, C]
         self.drafter: MtpDrafter | None = None
-        self.greedy_head: GreedyHead | None = None
         if config.speculative is not None:
             self.drafter = MtpDrafter(
                 model, self.kv_caches, config.block_size, config.speculative.draft_head
@@ -94,7 +93,9 @@ class ModelRunner:
         shared = None  # the drafts' int8 head, which the screen reuses when it is lm_head's
         if self.drafter is not None and self.drafter.head_int8 is not None:
             shared = (self.drafter.head_weight, self.drafter.head_int8)
-        self.greedy_head = greedy_head(model.lm_head.weight, config.greedy_head, shared)
+        self.greedy_head: GreedyHead | None = greedy_head(
+            model.lm_head.weight, config.greedy_head, shared
+        )
 
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Run decode steps through DecodeGraphs (engine/decode_graphs.py): one more cache
