@@ -7,6 +7,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DRAFT_HEADS = ("auto", "int8", "exact")  # SpeculativeConfig.draft_head
+GREEDY_HEADS = ("auto", "screened", "exact")  # EngineConfig.greedy_head
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,13 @@ class EngineConfig:
     kv_tiers: KVTiersConfig | None = None  # None: no tiers below the paged cache
     # None: off; with a checkpoint without MTP layers the engine turns it off (one warning)
     speculative: SpeculativeConfig | None = None
+    # The head's argmax for greedy rows that need nothing else of the logits (no logprobs):
+    # "screened" takes the int8 logits of an int8 copy of lm_head (the drafts' own when they
+    # quantize the same weight), then the exact logits of the candidates within the int8
+    # error bound of the maximum only (engine/greedy_head.py: the same token, bit for bit, a
+    # quarter of the head's bytes); "exact" the full fp32 head; "auto" screened where the
+    # compiled CPU kernels serve the model (fp32 on a CPU), else exact.
+    greedy_head: str = "auto"
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -130,6 +138,14 @@ class EngineConfig:
             "false",
         )
         need(self.cuda_graph_max_batch >= 1, "cuda_graph_max_batch", "must be >= 1")
+        need(self.greedy_head in GREEDY_HEADS, "greedy_head", "must be auto, screened or exact")
+        need(
+            self.greedy_head != "screened"
+            or (torch.device(self.device).type == "cpu" and self.dtype == "float32"),
+            "greedy_head",
+            f"screened needs the compiled CPU kernels (device cpu, dtype float32), this engine "
+            f"runs {self.dtype} on {self.device!r}: set auto or exact",
+        )
         self._check_kv_tiers(need)
         need(
             self.speculative is None or isinstance(self.speculative, SpeculativeConfig),

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu_decode import CpuDecode
+from engine.greedy_head import GreedyHead, greedy_head
 from engine.messages import TokenLogprobs
 from engine.request import Request
 from engine.sampler import SampleOutput, sample
@@ -89,6 +90,12 @@ class ModelRunner:
             self.drafter = MtpDrafter(
                 model, self.kv_caches, config.block_size, config.speculative.draft_head
             )
+        shared = None  # the drafts' int8 head, which the screen reuses when it is lm_head's
+        if self.drafter is not None and self.drafter.head_int8 is not None:
+            shared = (self.drafter.head_weight, self.drafter.head_int8)
+        self.greedy_head: GreedyHead | None = greedy_head(
+            model.lm_head.weight, config.greedy_head, shared
+        )
 
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Run decode steps through DecodeGraphs (engine/decode_graphs.py): one more cache
@@ -280,14 +287,49 @@ class ModelRunner:
         in `failed`; the others sample as they would have alone)."""
         if not chosen:
             return []
-        rows = [r for g in groups for r in g]
-        logits = self.model.compute_logits(hidden[rows])  # [n, V]
+        x = hidden[[r for g in groups for r in g]]  # [n, D]
         params = [req.params for req, g in zip(chosen, groups) for _ in g]
         seeds = [req.seed for req, g in zip(chosen, groups) for _ in g]
         positions = [req.num_tokens + j for req, g in zip(chosen, groups) for j in range(len(g))]
         bounds = torch.tensor([0] + [len(g) for g in groups]).cumsum(0).tolist()
+        # A greedy row that needs nothing else of its logits (no logprobs: the sampler reads a
+        # greedy row's logits for its argmax and logprobs only) takes the screen's argmax where
+        # it serves (engine/greedy_head.py: the full head's token, bit for bit); the other
+        # rows, `rest`, the full head's logits, computed once for the batch.
+        picked: list[int | None] = [None] * len(params)
+        eligible = [i for i, p in enumerate(params) if p.greedy and p.logprobs is None]
+        if self.greedy_head is not None and eligible:
+            for i, t in zip(eligible, self.greedy_head.argmax(x[eligible]), strict=True):
+                picked[i] = t
+        rest = [i for i, t in enumerate(picked) if t is None]
+        logits = None  # [len(rest), V]
+        if rest:
+            logits = self.model.compute_logits(x[rest] if len(rest) < len(params) else x)
+
+        def sample_rows(lo: int, hi: int) -> SampleOutput:
+            """Rows lo .. hi - 1: the screen's tokens, the sampler's over the others."""
+            sub = [j for j, i in enumerate(rest) if lo <= i < hi]  # rows of logits
+            rows = [rest[j] for j in sub]
+            out = None
+            if logits is not None and rows:
+                out = self.sample(
+                    logits if len(sub) == logits.shape[0] else logits[sub],
+                    [params[i] for i in rows],
+                    [seeds[i] for i in rows],
+                    [positions[i] for i in rows],
+                )
+                if len(rows) == hi - lo:  # nothing screened (every row off the CPU kernels)
+                    return out
+            token_ids = torch.tensor([t or 0 for t in picked[lo:hi]], dtype=torch.long)
+            logprobs: list[TokenLogprobs | None] = [None] * (hi - lo)
+            if out is not None:
+                token_ids[[i - lo for i in rows]] = out.token_ids.cpu()
+                for i, lp in zip(rows, out.logprobs, strict=True):
+                    logprobs[i - lo] = lp
+            return SampleOutput(token_ids, logprobs)
+
         try:
-            sampled = self.sample(logits, params, seeds, positions)
+            sampled = sample_rows(0, len(params))
             ids = sampled.token_ids.tolist()
             return [(ids[lo:hi], sampled.logprobs[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
         except Exception:  # find the requests that fail alone
@@ -295,7 +337,7 @@ class ModelRunner:
         result: list[tuple[list[int], list[TokenLogprobs | None]] | None] = []
         for req, lo, hi in zip(chosen, bounds, bounds[1:]):
             try:
-                one = self.sample(logits[lo:hi], params[lo:hi], seeds[lo:hi], positions[lo:hi])
+                one = sample_rows(lo, hi)
             except Exception as e:
                 failed[req.request_id] = ("sampling", e)
                 result.append(None)

@@ -85,6 +85,7 @@ class MtpDrafter:
         self.num_fused_calls = 0  # MTP calls the compiled block ran (the tests read it)
         own = model.mtp[0].shared_head.head
         weight = (model.lm_head if own is None else own).weight  # [V, D]
+        self.head_weight = weight  # what head_int8 quantizes (the runner's screen may share it)
         self.head_int8: Int8Weight | None = None
         if draft_head == "int8" or (draft_head == "auto" and use_cpu_kernel(weight)):
             self.head_int8 = quantize_rows(weight)

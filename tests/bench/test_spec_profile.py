@@ -1,6 +1,7 @@
 """bench/spec_profile.py's engine side: the instrumented speculating engine decodes the plain
 engine's tokens, every region is timed, and with an oracle right at every
-position each decode step keeps k + 1 tokens."""
+position each decode step keeps k + 1 tokens. Its greedy rows take the screen (the default on
+the CPU kernels), so the full head and the sampler never run; with the screen off they do."""
 
 from pathlib import Path
 
@@ -22,5 +23,14 @@ def test_regions_of_an_oracle_run(ckpt: Path) -> None:
     tokens, _, steps = decode(spec, 2, vocab, seed=3)
     assert tokens == want and all(len(t) == NEW_TOKENS for t in tokens.values())
     assert steps == -(-(NEW_TOKENS - 1) // 3)  # 3 tokens a step, the last capped
-    regions = ["verify forward", "target logits", "target sampling", "MTP block", "draft head"]
+    regions = ["verify forward", "target screen", "MTP block", "draft head"]
     assert all(spent[r] > 0 for r in [*regions, "draft pick (oracle)"])
+    assert spent["target logits"] == spent["target sampling"] == 0
+    exact = decode_engine(str(ckpt), speculative=SpeculativeConfig("mtp", 2))
+    exact.runner.greedy_head = None  # as spec_profile's --greedy-heads exact
+    exact.runner.drafter.propose = Oracle(want, 1.0, vocab)
+    instrument(exact)
+    spent.clear()
+    assert decode(exact, 2, vocab, seed=3)[0] == want
+    assert spent["target logits"] > 0 and spent["target sampling"] > 0
+    assert spent["target screen"] == 0
