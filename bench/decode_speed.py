@@ -195,13 +195,18 @@ def batch_arguments(doc: str, default_name: str, speculative: bool = False) -> a
 
 
 def decode_engine(
-    model: str, python_layers: bool = False, speculative: SpeculativeConfig | None = None
+    model: str,
+    python_layers: bool = False,
+    speculative: SpeculativeConfig | None = None,
+    greedy_head: str = "auto",
 ) -> LLMEngine:
     """An engine for up to 64 requests of 128 + 128 tokens, no prefix caching (python_layers:
-    the fused decode layers off; speculative: MTP drafts, the checkpoint must have its layer)."""
+    the fused decode layers off; speculative: MTP drafts, the checkpoint must have its layer;
+    greedy_head: EngineConfig's)."""
     engine = LLMEngine(
         EngineConfig(model=model, max_num_seqs=64, max_num_batched_tokens=4096,
-                     enable_prefix_caching=False, speculative=speculative)
+                     enable_prefix_caching=False, speculative=speculative,
+                     greedy_head=greedy_head)
     )  # fmt: skip
     if python_layers:
         engine.runner.cpu_decode = None  # the runner's choice: the Python layers

@@ -102,7 +102,8 @@ class EngineConfig:
     # quantize the same weight), then the exact logits of the candidates within the int8
     # error bound of the maximum only (engine/greedy_head.py: the same token, bit for bit, a
     # quarter of the head's bytes); "exact" the full fp32 head; "auto" screened where the
-    # compiled CPU kernels serve the model (fp32 on a CPU), else exact.
+    # compiled CPU kernels serve the model (fp32 on a CPU) and the head has a million weights
+    # or more (a smaller one reads faster than the screen runs), else exact.
     greedy_head: str = "auto"
 
     def __post_init__(self) -> None:

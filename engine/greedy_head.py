@@ -49,6 +49,11 @@ SLACK_ABS = 2.0**-100
 # --int8-head, small's head: 8 rows 0.93 ms against 2.17, 32 rows 3.95 against 3.37): the
 # full head serves such steps.
 MAX_ROWS = 16
+# NOTE: "auto" screens a head of at least this many weights: the screen's Python costs ~40 us a
+# row (the bound, the candidates), which a head pays back by reading a quarter of its bytes only
+# from about a million fp32 weights (4 MB: ~0.1 ms at this machine's 40 GB/s); tiny's 512 x 64
+# head reads in ~5 us, small's 32,000 x 768 in ~1.2 ms (docs/mtp.md)
+AUTO_MIN_WEIGHTS = 2**20
 FP32_SAFE = 1.0e38  # below float32's max (3.4e38) with room: no logit or partial sum overflows
 
 
@@ -187,12 +192,14 @@ def greedy_head(
     weight: torch.Tensor, choice: str, shared: tuple[torch.Tensor, Int8Weight] | None = None
 ) -> GreedyHead | None:
     """The screen EngineConfig.greedy_head asks for over lm_head's weight [V, D] ("auto":
-    where the compiled CPU kernels serve it), or None (the full head for every row). shared:
-    (a weight, its int8 copy) already held, the drafts', reused when it is this weight (one
-    copy, not two); else a copy is made now. Raises ValueError for "screened" where the
-    kernels do not serve."""
+    where the compiled CPU kernels serve it and it has AUTO_MIN_WEIGHTS or more), or None (the
+    full head for every row). shared: (a weight, its int8 copy) already held, the drafts',
+    reused when it is this weight (one copy, not two); else a copy is made now. Raises
+    ValueError for "screened" where the kernels do not serve."""
     serves = use_cpu_kernel(weight) and weight.is_contiguous()
-    if choice == "exact" or (choice == "auto" and not serves):
+    if choice == "exact" or (
+        choice == "auto" and not (serves and weight.numel() >= AUTO_MIN_WEIGHTS)
+    ):
         return None
     if not serves:
         raise ValueError(

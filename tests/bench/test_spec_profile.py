@@ -1,7 +1,8 @@
 """bench/spec_profile.py's engine side: the instrumented speculating engine decodes the plain
 engine's tokens, every region is timed, and with an oracle right at every
-position each decode step keeps k + 1 tokens. Its greedy rows take the screen (the default on
-the CPU kernels), so the full head and the sampler never run; with the screen off they do."""
+position each decode step keeps k + 1 tokens. Its greedy rows take the screen (as `small`'s do
+by default on the CPU kernels), so the full head and the sampler never run; with the screen off
+they do."""
 
 from pathlib import Path
 
@@ -17,7 +18,7 @@ def test_regions_of_an_oracle_run(ckpt: Path) -> None:
     vocab = plain.model.config.vocab_size
     want, _, plain_steps = decode(plain, 2, vocab, seed=3)
     assert plain_steps == NEW_TOKENS - 1  # one token a decode step after the prefill's
-    spec = decode_engine(str(ckpt), speculative=SpeculativeConfig("mtp", 2))
+    spec = decode_engine(str(ckpt), speculative=SpeculativeConfig("mtp", 2), greedy_head="screened")
     spec.runner.drafter.propose = Oracle(want, 1.0, vocab)
     instrument(spec)
     tokens, _, steps = decode(spec, 2, vocab, seed=3)

@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, EngineConfigError, SpeculativeConfig
-from engine.greedy_head import GreedyHead, bound_factors, greedy_head
+from engine.greedy_head import AUTO_MIN_WEIGHTS, GreedyHead, bound_factors, greedy_head
 from kernels.backend import use_cpu_kernel
 from kernels.cpu.build import cpu_kernels
 from kernels.linear import linear
@@ -170,7 +170,7 @@ def test_off_the_kernels_nothing_is_screened(monkeypatch: pytest.MonkeyPatch) ->
     assert greedy_head(w, "auto") is None
     monkeypatch.undo()
     assert greedy_head(w, "exact") is None
-    assert isinstance(greedy_head(w, "auto"), GreedyHead)
+    assert isinstance(greedy_head(w, "screened"), GreedyHead)
 
 
 # ---- in the engine ---------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def outputs(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> l
     ("model", "k"), [("tiny", 0), ("tiny-random", 0), ("tiny", 1), ("ckpt", 1), ("ckpt", 2)]
 )
 def test_greedy_tokens_equal_the_exact_heads(ckpt: Path, model: str, k: int) -> None:
-    """12 greedy requests in one batch, chunked prefill: auto (screened here) against exact."""
+    """12 greedy requests in one batch, chunked prefill: screened against exact."""
     name = str(ckpt) if model == "ckpt" else model
     spec = SpeculativeConfig("mtp", k) if k else None
     options = dict(block_size=4, max_num_batched_tokens=24, speculative=spec)
@@ -210,9 +210,9 @@ def test_greedy_tokens_equal_the_exact_heads(ckpt: Path, model: str, k: int) -> 
     batch, params = prompts(12, vocab, seed=7), greedy(12)
     assert exact.engine.runner.greedy_head is None
     want = outputs(exact, batch, params)
-    llm = LLM(name, **options)
+    llm = LLM(name, greedy_head="screened", **options)
     g = llm.engine.runner.greedy_head
-    assert g is not None  # auto: the CPU kernels serve
+    assert g is not None
     g.max_rows = 64  # every step screened here (12 requests' verifies exceed the default)
     assert outputs(llm, batch, params) == want
     produced = sum(len(tokens) for tokens, _, _ in want)  # each from one screened row
@@ -234,7 +234,7 @@ def test_rows_that_need_the_logits_bypass_the_screen() -> None:
     ]
     batch = prompts(3, 512, seed=8)
     want = outputs(LLM("tiny-random", greedy_head="exact", block_size=4), batch, params)
-    llm = LLM("tiny-random", block_size=4)
+    llm = LLM("tiny-random", greedy_head="screened", block_size=4)
     runner = llm.engine.runner
     screened, sampled = [], []
     real_argmax, real_sample = runner.greedy_head.argmax, runner.sample
@@ -257,14 +257,26 @@ def test_rows_that_need_the_logits_bypass_the_screen() -> None:
 def test_the_drafts_int8_head_is_shared() -> None:
     """tiny's MTP layer drafts with lm_head itself: the screen holds the drafter's copy; with
     exact drafts it makes its own."""
-    llm = LLM("tiny", speculative=SpeculativeConfig("mtp", 1))
+    llm = LLM("tiny", greedy_head="screened", speculative=SpeculativeConfig("mtp", 1))
     runner = llm.engine.runner
     assert runner.drafter.head_int8 is not None
     assert runner.greedy_head.head is runner.drafter.head_int8
-    llm = LLM("tiny", speculative=SpeculativeConfig("mtp", 1, draft_head="exact"))
+    llm = LLM(
+        "tiny", greedy_head="screened", speculative=SpeculativeConfig("mtp", 1, draft_head="exact")
+    )
     runner = llm.engine.runner
     assert runner.drafter.head_int8 is None and runner.greedy_head is not None
     assert torch.equal(runner.greedy_head.head.q, quantize_rows(runner.model.lm_head.weight).q)
+
+
+def test_auto_screens_a_head_that_pays() -> None:
+    """auto: tiny's 512 x 64 head reads faster than the screen runs (the full head); a head of
+    AUTO_MIN_WEIGHTS or more is screened."""
+    assert LLM("tiny").engine.runner.greedy_head is None
+    big = torch.randn(AUTO_MIN_WEIGHTS // 64, 64)
+    assert greedy_head(big, "auto") is not None
+    assert greedy_head(big[:-1], "auto") is None
+    assert greedy_head(big[:-1], "screened") is not None
 
 
 def test_the_knob_is_checked() -> None:
