@@ -159,8 +159,8 @@ def uninstall(rank) -> None:
 @pytest.mark.parametrize("after", [0, 3], ids=["on-the-prefill-rank", "mid-stream-on-decode"])
 def test_a_sampling_failure_on_a_rank_fails_that_request_alone(cluster, oracle, after):
     prompts, params = workload(seed=2 + after)
-    # NOTE: a sampled request: a greedy one's rows take the screened head on the CPU kernels
-    # (engine/greedy_head.py), not runner.sample
+    # NOTE: a sampled request: its rows reach runner.sample whatever the greedy rows' head
+    # (engine/greedy_head.py screens a large head's greedy rows, which then skip it)
     poisoned = 2
     params[poisoned].seed = POISON_SEED
     want = oracle.generate(prompts, params)
