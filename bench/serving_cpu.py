@@ -5,13 +5,14 @@ open-loop loads, and a least-squares fit
 
     serving cores = background + cpu_s_per_request x requests/s + cpu_s_per_step x decode steps/s
 
-(decode steps of all the decode ranks, from their /metrics). Run it on loads apart from the
+(decode steps of all the decode ranks, from their /metrics, found through the router's
+/sd/targets: its Prometheus service discovery). Run it on loads apart from the
 ones a goodput comparison checks; bench/goodput.py `--serving-cpu RESULT` takes the fit.
 
     .venv/bin/epcluster serve --model small --prefill-ranks 1 --decode-ranks 1 --http-port 8130 \
-        --rank-metrics-port 9440 &
+        --metrics-port 9430 &
     .venv/bin/python -m bench.serving_cpu --target http://127.0.0.1:8130 --server-pid $! \
-        --rank-metrics-port 9440 --loads 0.3,0.6,1.9 --name serving_cpu_small
+        --router-metrics http://127.0.0.1:9430 --loads 0.3,0.6,1.9 --name serving_cpu_small
 """
 
 import argparse
@@ -31,24 +32,23 @@ from bench.openloop import OpenLoop, run
 SERVING = ("router", "client", "rank_serving", "ray_other")
 
 
-def decode_steps(first_port: int, ports: int = 16) -> float:
-    """Steps with work of every decode rank whose /metrics is on 127.0.0.1:first_port.. (a
-    node's ranks take consecutive ports from the first)."""
+def decode_steps(router_metrics: str) -> float:
+    """Steps with work of every decode rank the router lists in its /sd/targets
+    (`router_metrics`: the base URL of its /metrics server)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    with urllib.request.urlopen(f"{router_metrics}/sd/targets", timeout=5) as r:
+        groups = json.loads(r.read())
     total = 0.0
-    for port in range(first_port, first_port + ports):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-        except OSError:  # no rank on this port
+    for group in groups:
+        if group["labels"].get("pool") != "decode":
             continue
-        for family in text_string_to_metric_families(text):
-            if family.name != "epcluster_step_duration_seconds":
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_count") and sample.labels.get("pool") == "decode":
-                    total += sample.value
+        for target in group["targets"]:
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as r:
+                families = text_string_to_metric_families(r.read().decode())
+            for family in families:
+                if family.name == "epcluster_step_duration_seconds":
+                    total += sum(s.value for s in family.samples if s.name.endswith("_count"))
     return total
 
 
@@ -67,7 +67,7 @@ def window(args: argparse.Namespace, load: float, level: int) -> dict:
     """One measured window: idle for --idle seconds (load 0), else an open-loop load."""
     cpu0, steps0, t0 = (
         cpu_seconds(args.server_pid),
-        decode_steps(args.rank_metrics_port),
+        decode_steps(args.router_metrics),
         time.time(),
     )
     done = 0
@@ -80,7 +80,7 @@ def window(args: argparse.Namespace, load: float, level: int) -> dict:
         records = asyncio.run(run(cfg))
         done = sum(1 for r in records if r.error is None)
     wall = time.time() - t0
-    cpu1, steps1 = cpu_seconds(args.server_pid), decode_steps(args.rank_metrics_port)
+    cpu1, steps1 = cpu_seconds(args.server_pid), decode_steps(args.router_metrics)
     cores = {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1}
     point = {"load": load, "requests_per_s": done / wall,
              "decode_steps_per_s": (steps1 - steps0) / wall, "wall_s": wall, "cores": cores,
@@ -98,7 +98,11 @@ def main() -> None:
     ap.add_argument("--target", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default="small")
     ap.add_argument("--server-pid", type=int, required=True, help="epcluster serve's pid")
-    ap.add_argument("--rank-metrics-port", type=int, required=True, help="the ranks' first port")
+    ap.add_argument(
+        "--router-metrics",
+        default="http://127.0.0.1:9430",
+        help="the router's /metrics server (its /sd/targets lists the ranks')",
+    )
     ap.add_argument("--loads", default="0.3,0.6,1.9", help="req/s (an idle window comes first)")
     ap.add_argument("--idle", type=float, default=20.0, help="seconds of the idle window")
     ap.add_argument("--prompt-tokens", type=int, default=128)
